@@ -1,0 +1,25 @@
+"""llmc: compile HuggingFace decoder-only models to engine artifacts and serve them.
+
+`import llmc` stays cheap: heavy modules (torch, transformers, onnxruntime) load inside
+the commands and classes that need them.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "LlmcError", "__version__"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from llmc.runtime.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from llmc.runtime.sampling import SamplingParams
+
+        return SamplingParams
+    if name == "LlmcError":
+        from llmc.errors import LlmcError
+
+        return LlmcError
+    raise AttributeError(f"module 'llmc' has no attribute {name!r}")

@@ -1,0 +1,78 @@
+"""torch.export -> ONNX (opset 23): the canonical graph the passes start from.
+
+The canonical graph is the model without any cache: `input_ids [B,S]`, `position_ids [B,S]`
+-> `logits [B,S,V]`. At opset 23 the exporter's optimizer already emits RMSNormalization,
+RotaryEmbedding and Attention; KV-cache I/O is added later by a pass, not by the exporter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+
+from llmc.errors import ModelError
+from llmc.spec import ModelSpec
+
+OPSET = 23
+# ORT 1.31 reads IR <= 13 while onnx 1.23 writes 14 by default; opset 23 needs IR 11.
+IR_VERSION = 11
+INPUT_NAMES = ("input_ids", "position_ids")
+OUTPUT_NAME = "logits"
+
+
+def export_onnx(hf_model, spec: ModelSpec):
+    """Export `hf_model` with dynamic batch and sequence dims and return an onnx_ir Model."""
+    import torch
+
+    class LogitsOnly(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, position_ids):
+            # Explicit position_ids: otherwise the RoPE fusion bakes a [1,S,.] table and B>1 breaks.
+            return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+    # Example dims >= 2 so the exporter does not specialize them to 1.
+    input_ids = torch.zeros((2, 8), dtype=torch.int64)
+    position_ids = torch.arange(8, dtype=torch.int64).expand(2, 8).contiguous()
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    seq = torch.export.Dim("seq", min=1, max=max(spec.max_position_embeddings, 16))
+    dims = {0: batch, 1: seq}
+    try:
+        with _quiet():
+            program = torch.onnx.export(
+                LogitsOnly(hf_model),
+                (input_ids, position_ids),
+                dynamo=True,
+                opset_version=OPSET,
+                input_names=list(INPUT_NAMES),
+                output_names=[OUTPUT_NAME],
+                dynamic_shapes={"input_ids": dims, "position_ids": dims},
+                verbose=False,
+                optimize=True,
+            )
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"torch.export of {spec.architecture} failed: {first}") from exc
+    model = program.model
+    model.ir_version = IR_VERSION
+    return model
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The exporter prints progress and warnings meant for its own developers; keep the CLI clean."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

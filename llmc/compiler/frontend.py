@@ -1,0 +1,131 @@
+"""Frontend: turn a model reference into an HF model folder, a ModelSpec and a torch module.
+
+A model ref is a built-in recipe name, a local HF folder, or a hub id. All three end up as a
+folder with config.json + weights + tokenizer, so one loader serves recipes and users' models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from llmc.errors import ModelError
+from llmc.spec import ModelSpec
+
+# HF architecture class -> family. Llama, Mistral, Qwen2 and Phi-3 share one structure
+# (pre-norm decoder, RMSNorm, RoPE, SwiGLU, GQA), so they share one code path.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Phi3ForCausalLM": "phi3",
+}
+
+
+def resolve_model(ref: str) -> Path:
+    """Return a local HF folder for a recipe name, a folder path or a hub id."""
+    from llmc.compiler import recipes
+
+    if recipes.is_recipe(ref):
+        return recipes.materialize(ref)
+    path = Path(ref).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelError(f"{ref} is a file, not a model folder; pass the folder holding config.json")
+        if not (path / "config.json").is_file():
+            raise ModelError(
+                f"{ref} is not a HuggingFace model folder (no config.json); "
+                "pass a folder saved with save_pretrained, a hub id, or a recipe "
+                f"({', '.join(recipes.list_recipes())})"
+            )
+        return path
+    if _looks_like_path(ref):
+        raise ModelError(f"no model folder at {ref}; check the path, or use a recipe ({', '.join(recipes.list_recipes())})")
+    return _download_from_hub(ref)
+
+
+def _looks_like_path(ref: str) -> bool:
+    return ref.startswith((".", "/", "~")) or ref.count("/") != 1 or ref.endswith("/")
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(
+            repo_id,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
+        )
+    except Exception as exc:  # network, auth, 404: all end up as one line for the user
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(
+            f"could not fetch {repo_id!r} from the HuggingFace hub ({first_line}); "
+            "pass a local folder or a recipe instead"
+        ) from None
+    return Path(folder)
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read {folder / 'config.json'}: {exc}; is the model folder complete?") from None
+
+
+def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
+    archs = config.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        got = ", ".join(archs) if archs else f"model_type={config.get('model_type')!r}"
+        raise ModelError(
+            f"unsupported architecture {got}; llmc supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    family = SUPPORTED_ARCHITECTURES[arch]
+    heads = config["num_attention_heads"]
+    hidden = config["hidden_size"]
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    window = config.get("sliding_window")
+    if family == "qwen2" and not config.get("use_sliding_window", False):
+        window = None
+    rope = config.get("rope_parameters") or {}
+    rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_scaling = config.get("rope_scaling")
+    if rope_scaling is None and rope.get("rope_type", "default") != "default":
+        rope_scaling = rope
+    return ModelSpec(
+        family=family,
+        architecture=arch,
+        num_layers=config["num_hidden_layers"],
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or hidden // heads,
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        rope_theta=float(rope_theta),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        activation=config.get("hidden_act", "silu"),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        dtype="float32",
+        rope_scaling=rope_scaling,
+        sliding_window=int(window) if window else None,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def load_hf_model(folder: Path):
+    """Load the checkpoint in fp32 with the SDPA attention the exporter turns into ONNX Attention."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="sdpa"
+        )
+    except OSError as exc:
+        raise ModelError(f"cannot load weights from {folder}: {str(exc).splitlines()[0]}") from None
+    return model.eval()

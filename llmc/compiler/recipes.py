@@ -1,0 +1,173 @@
+"""Built-in model recipes: small random-weight HF models built locally, with no downloads.
+
+A recipe is models/<name>.json: {"description", "seed", "init_std", "config": <HF config dict>}.
+materialize(name) turns it into an ordinary HF model folder (config, safetensors weights,
+generation config, the project tokenizer) so the rest of llmc treats it like any local model.
+
+Weights are deterministic for a given recipe: the same bytes on every machine, so tests and
+benchmarks can compare engines against HF across runs. torch/transformers load lazily.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from llmc.errors import ModelError
+
+DEFAULT_RECIPE = "tiny-llama"
+
+# Files a finished model folder must hold; a folder missing any is rebuilt.
+_REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _find_recipes_dir() -> Path:
+    # Installed: models/ ships as the package llmc.models. From a source checkout that is not
+    # installed, llmc.models does not exist, so use the models/ folder beside the package.
+    try:
+        path = Path(str(importlib.resources.files("llmc.models")))
+        if path.is_dir() and any(path.glob("*.json")):
+            return path
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return Path(__file__).resolve().parents[2] / "models"
+
+
+RECIPES_DIR = _find_recipes_dir()
+_TOKENIZER_DIR = RECIPES_DIR / "tokenizer"
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.json"))
+
+
+def is_recipe(name: str) -> bool:
+    return name in list_recipes()
+
+
+def _recipe_path(name: str) -> Path:
+    if not is_recipe(name):
+        raise ModelError(
+            f"unknown recipe {name!r}; built-in recipes are: {', '.join(list_recipes())}"
+        )
+    return RECIPES_DIR / f"{name}.json"
+
+
+def load_recipe(name: str) -> dict:
+    return json.loads(_recipe_path(name).read_text())
+
+
+def _cache_root(cache_dir: Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get("LLMC_CACHE"):
+        return Path(os.environ["LLMC_CACHE"])
+    return Path.home() / ".cache" / "llmc"
+
+
+def _cache_key(name: str) -> str:
+    # The tokenizer is part of the model folder, so a new tokenizer must mean a new folder.
+    h = hashlib.sha256(_recipe_path(name).read_bytes())
+    h.update((_TOKENIZER_DIR / "tokenizer.json").read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _is_complete(folder: Path) -> bool:
+    return all((folder / f).is_file() for f in _REQUIRED_FILES)
+
+
+def materialize(name: str, cache_dir: Path | None = None) -> Path:
+    """Return the HF model folder for recipe `name`, building it on first use."""
+    key = _cache_key(name)
+    final = _cache_root(cache_dir) / "recipes" / f"{name}-{key}"
+    if _is_complete(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename at the end, so nobody ever sees a half-written folder.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        _build(load_recipe(name), tmp)
+        if final.exists() and not _is_complete(final):
+            # Left behind by something other than us (a user deleting files); replace it.
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            # Another process won the race and its folder is already in place.
+            if not _is_complete(final):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _build(recipe: dict, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    cfg = dict(recipe["config"])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    # fork_rng keeps the caller's global RNG state untouched by our seeding.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe["seed"])
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _reinit(model, recipe["init_std"])
+    model.eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+
+    for f in _TOKENIZER_FILES:
+        shutil.copyfile(_TOKENIZER_DIR / f, out / f)
+    # The tokenizer is shared; its length limit should be this model's context.
+    tok_cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text())
+    tok_cfg["model_max_length"] = config.max_position_embeddings
+    tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
+
+
+def _reinit(model, init_std: float) -> None:
+    """Deterministic init, independent of how transformers initializes a given architecture.
+
+    Norm weights are 1 + noise rather than 1 so every norm is distinct: an engine that feeds
+    a tensor through the wrong norm then gives visibly different logits.
+    """
+    import torch
+
+    done: set[int] = set()  # tied weights (embedding == lm_head) are initialized once
+    with torch.no_grad():
+        for module in model.modules():
+            is_norm = isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith(
+                "RMSNorm"
+            )
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) in done:
+                    continue
+                done.add(id(p))
+                if pname == "bias":
+                    p.normal_(0.0, 0.02)
+                elif is_norm:
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                    p.normal_(0.0, init_std)
+                else:
+                    raise RuntimeError(
+                        f"recipe init does not know how to initialize "
+                        f"{type(module).__name__}.{pname}; extend llmc.compiler.recipes._reinit"
+                    )

@@ -1,0 +1,32 @@
+"""Graph passes. `PIPELINES` names the pass sequences a build can run."""
+
+from __future__ import annotations
+
+from llmc.passes.base import BuildContext, Pass, PassManager, PassRecord, PassResult, RewriteRule
+
+__all__ = ["BuildContext", "Pass", "PassManager", "PassRecord", "PassResult", "RewriteRule",
+           "ALL_PASSES", "REQUIRED_PASSES", "default_pipeline", "make_passes"]
+
+
+def _registry() -> dict[str, type[Pass]]:
+    from llmc.passes.cleanup import Cleanup
+    from llmc.passes.last_token import LastTokenLogits
+    from llmc.passes.native_gqa import NativeGQA
+    from llmc.passes.ort_lower import LowerPagedAttentionORT
+    from llmc.passes.paged_kv import PagedKVCache
+
+    return {p.name: p for p in (Cleanup, NativeGQA, PagedKVCache, LastTokenLogits, LowerPagedAttentionORT)}
+
+
+# In pipeline order. The runtime contract needs the paged rewrite and a backend lowering.
+ALL_PASSES = ("cleanup", "native-gqa", "paged-kv-cache", "last-token-logits", "ort-lower")
+REQUIRED_PASSES = ("paged-kv-cache", "ort-lower")
+
+
+def default_pipeline(backend: str = "ort") -> list[str]:
+    return list(ALL_PASSES)
+
+
+def make_passes(names: list[str]) -> list[Pass]:
+    registry = _registry()
+    return [registry[n]() for n in names]

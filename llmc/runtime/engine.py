@@ -1,0 +1,132 @@
+"""Engine: an engine artifact loaded into an ONNX Runtime session with its KV block pool.
+
+`Engine.forward` runs one step of the paged contract (design §4). The per-layer caches are
+OrtValues bound once as both input and output of the session (IOBinding), so the graph's
+ScatterND writes new K/V into the pool in place; nothing proportional to the pool is copied.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from llmc.artifact import engine_file, load_manifest
+from llmc.errors import EngineError, LlmcError
+from llmc.runtime.kv_cache import BlockManager
+from llmc.spec import ModelSpec
+
+DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+BACKENDS = ("onnxruntime",)
+
+
+def _import_ort():
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise EngineError("ONNX Runtime is not installed; run `pip install llmc[cpu]` "
+                          "(or llmc[gpu])") from None
+    return ort
+
+
+class Engine:
+    def __init__(self, engine_dir: str | Path, *, num_threads: int | None = None,
+                 kv_cache_blocks: int | None = None, kv_cache_bytes: int | None = None,
+                 allow_spinning: bool = True, verify_checksums: bool = True):
+        self.dir = Path(engine_dir)
+        self.manifest = manifest = load_manifest(self.dir, verify_checksums=verify_checksums)
+        backend = manifest["backend"]
+        name = backend.get("name") if isinstance(backend, dict) else backend
+        if name not in BACKENDS:
+            raise EngineError(f"engine {self.dir} targets backend {name!r}, which this runtime "
+                              f"cannot run ({', '.join(BACKENDS)}); rebuild it for onnxruntime")
+        try:
+            self.spec = ModelSpec.from_dict(manifest["model_spec"])
+            kv = manifest["kv_cache"]
+            self.block_size = int(kv["block_size"])
+            self.max_context = int(manifest["max_context"])
+            self.io = manifest["io"]
+            model_path = engine_file(self.dir, manifest, manifest["payload"]["model"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"engine {self.dir} has an incomplete manifest ({exc}); "
+                              "rebuild it with `llmc build`") from None
+        self.last_token_logits = self.io.get("logits") == "last"
+
+        ort = _import_ort()
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = num_threads or _physical_cores()
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+        opts.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise EngineError(f"ONNX Runtime cannot load {model_path} ({first}); "
+                              "rebuild the engine with this llmc version") from None
+        self.num_threads = opts.intra_op_num_threads
+
+        self.num_blocks = self._pool_blocks(kv_cache_blocks, kv_cache_bytes)
+        self.blocks = BlockManager(self.num_blocks, self.block_size)
+        shape = (2, self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self._pools = []
+        self._binding = self.session.io_binding()
+        for cache_in, cache_out in zip(self.io["cache_inputs"], self.io["cache_outputs"]):
+            pool = np.empty(shape, np.float32)
+            pool.fill(0.0)  # touch every page now, not on the first write of a request
+            value = ort.OrtValue.ortvalue_from_numpy(pool)
+            self._pools.append((pool, value))
+            self._binding.bind_ortvalue_input(cache_in, value)
+            self._binding.bind_ortvalue_output(cache_out, value)
+        self._logits_bufs: dict[int, np.ndarray] = {}
+
+    def _pool_blocks(self, blocks: int | None, budget: int | None) -> int:
+        if blocks is not None:
+            if blocks < 2:
+                raise LlmcError(f"kv_cache_blocks must be >= 2 (got {blocks})")
+            return int(blocks)
+        per_block = 2 * self.spec.num_layers * self.block_size * self.spec.num_kv_heads * self.spec.head_dim * 4
+        budget = DEFAULT_KV_CACHE_BYTES if budget is None else budget
+        if budget < 2 * per_block:
+            raise LlmcError(f"kv_cache_bytes {budget} holds fewer than 2 blocks of {per_block} bytes; raise it")
+        # No point in more than a full context for 64 sequences.
+        cap = 64 * -(-self.max_context // self.block_size) + 1
+        return int(min(budget // per_block, cap))
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(pool.nbytes for pool, _ in self._pools)
+
+    def pool(self, layer: int) -> np.ndarray:
+        """The numpy view of a layer's cache pool (shares memory with the session's buffer)."""
+        return self._pools[layer][0]
+
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, past_lens: np.ndarray,
+                query_lens: np.ndarray, block_tables: np.ndarray) -> np.ndarray:
+        """One step; returns logits [B, V] (or [B, S, V] for an all-positions engine)."""
+        b = self._binding
+        b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
+        b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, np.int64))
+        b.bind_cpu_input("past_lens", np.ascontiguousarray(past_lens, np.int32))
+        b.bind_cpu_input("query_lens", np.ascontiguousarray(query_lens, np.int32))
+        b.bind_cpu_input("block_tables", np.ascontiguousarray(block_tables, np.int32))
+        batch, seq = input_ids.shape
+        shape = (batch, self.spec.vocab_size) if self.last_token_logits else (batch, seq, self.spec.vocab_size)
+        logits = self._logits_bufs.get(shape)
+        if logits is None:
+            logits = self._logits_bufs[shape] = np.empty(shape, np.float32)
+        b.bind_output("logits", "cpu", 0, np.float32, list(shape), logits.ctypes.data)
+        self.session.run_with_iobinding(b)
+        return logits
+
+
+def _physical_cores() -> int:
+    try:
+        import psutil
+
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except ImportError:
+        return os.cpu_count() or 1

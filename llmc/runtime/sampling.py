@@ -1,0 +1,200 @@
+"""Sampling parameters and a batched numpy sampler.
+
+Each request owns its own `np.random.Generator` and the sampler draws exactly one number from
+it per sampled row per step, so a seeded request produces the same tokens whatever else shares
+its batch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmc.errors import RequestError
+
+__all__ = ["SamplingParams", "Sampler", "make_rng"]
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but max_tokens=True is a bug, not a request for one token.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. temperature=0 means greedy (argmax) decoding."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # The dataclass is frozen, so normalized values go in through object.__setattr__.
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        if not _is_int(self.max_tokens):
+            raise RequestError(f"max_tokens must be an int (got {self.max_tokens!r}); pass a whole number like 64")
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1 (got {self.max_tokens}); ask for at least one token")
+        put("max_tokens", int(self.max_tokens))
+
+        if not _is_real(self.temperature):
+            raise RequestError(
+                f"temperature must be a number (got {self.temperature!r}); use 0 for greedy decoding or e.g. 0.7"
+            )
+        if not math.isfinite(self.temperature):
+            raise RequestError(
+                f"temperature must be finite (got {self.temperature}); use 0 for greedy decoding or e.g. 0.7"
+            )
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy decoding")
+        put("temperature", float(self.temperature))
+
+        if not _is_int(self.top_k):
+            raise RequestError(f"top_k must be an int (got {self.top_k!r}); use 0 to disable top-k filtering")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (got {self.top_k}); use 0 to disable top-k filtering")
+        put("top_k", int(self.top_k))
+
+        if not _is_real(self.top_p):
+            raise RequestError(f"top_p must be a number in (0, 1] (got {self.top_p!r}); use 1.0 to disable top-p")
+        if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
+            raise RequestError(f"top_p must be in (0, 1] (got {self.top_p}); use 1.0 to disable top-p")
+        put("top_p", float(self.top_p))
+
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise RequestError(f"seed must be an int or None (got {self.seed!r}); pass a whole number like 1234")
+            if self.seed < 0:
+                raise RequestError(f"seed must be >= 0 (got {self.seed}); pass a non-negative whole number")
+            put("seed", int(self.seed))
+
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise RequestError(f"stop must be a string or a list of strings (got {self.stop!r}); e.g. stop=['\\n\\n']")
+        if any(s == "" for s in stop):
+            raise RequestError(f"stop strings must be non-empty (got {self.stop!r}); remove the empty string")
+        put("stop", tuple(stop))
+
+        ids = (self.stop_token_ids,) if _is_int(self.stop_token_ids) else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise RequestError(
+                f"stop_token_ids must be a list of token ids >= 0 (got {self.stop_token_ids!r}); e.g. [2]"
+            )
+        put("stop_token_ids", tuple(int(i) for i in ids))
+
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be True or False (got {self.ignore_eos!r})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_rng(params: SamplingParams) -> np.random.Generator:
+    """The per-request generator: seeded for reproducible requests, fresh OS entropy otherwise."""
+    return np.random.default_rng(params.seed)
+
+
+# Nucleus search starts from this many top tokens and doubles; a full vocabulary sort per row is
+# O(V log V) and almost never needed because the nucleus is usually a handful of tokens.
+_NUCLEUS_START = 64
+
+
+def _top_k(scaled: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest entries, in ascending id order (so later tie-breaks are deterministic)."""
+    vocab = scaled.shape[0]
+    if k == 1:
+        # argmax breaks ties toward the lowest id, keeping top_k=1 identical to greedy decoding.
+        return np.array([int(np.argmax(scaled))])
+    return np.sort(np.argpartition(scaled, vocab - k)[vocab - k :])
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Positions of the smallest highest-probability set with cumulative probability >= top_p."""
+    n = probs.shape[0]
+    k = min(_NUCLEUS_START, n)
+    while True:
+        cand = np.arange(n) if k >= n else _top_k(probs, k)
+        # Stable sort on -p: ties go to the lowest position, like a full stable sort would.
+        order = cand[np.argsort(-probs[cand], kind="stable")]
+        cum = np.cumsum(probs[order])
+        if k >= n or cum[-1] >= top_p:
+            keep = int(np.searchsorted(cum, top_p, side="left")) + 1
+            return order[: min(keep, len(order))]  # rounding can leave cum[-1] < top_p: keep all
+        k *= 2
+
+
+def _sample_row(scaled: np.ndarray, top_k: int, top_p: float, rng: np.random.Generator) -> int:
+    """One token from temperature-scaled float64 logits, after top-k then top-p filtering."""
+    u = rng.random()  # drawn first and unconditionally: exactly one draw per row per step
+    vocab = scaled.shape[0]
+    ids = _top_k(scaled, top_k) if 0 < top_k < vocab else None
+    vals = scaled if ids is None else scaled[ids]
+
+    peak = vals.max()
+    if not np.isfinite(peak):  # every token masked to -inf (or NaN logits): nothing to sample from
+        return int(np.argmax(scaled))
+    probs = np.exp(vals - peak)  # unnormalized: the draw below scales by the total instead
+
+    if top_p < 1.0:
+        probs /= probs.sum()
+        keep = _nucleus(probs, top_p)
+        ids = keep if ids is None else ids[keep]
+        probs = probs[keep]
+
+    cdf = np.cumsum(probs)
+    # side="right" never lands on a zero-probability token; min() guards float round-off at the top.
+    pos = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(cdf) - 1)
+    return int(pos if ids is None else ids[pos])
+
+
+class Sampler:
+    """Picks the next token for each row of a batch of logits."""
+
+    def __init__(self) -> None:
+        # Only for sampled rows handed no generator; such rows are unseeded, so sharing is harmless.
+        self._fallback_rng = np.random.default_rng()
+
+    def sample(
+        self,
+        logits: np.ndarray,
+        params: Sequence[SamplingParams],
+        rngs: Sequence[np.random.Generator | None],
+    ) -> np.ndarray:
+        """logits [B, V] -> token ids [B] int64. Row i uses params[i] and draws only from rngs[i]."""
+        if logits.ndim != 2:
+            raise ValueError(f"logits must be 2-D [batch, vocab], got shape {logits.shape}")
+        batch = logits.shape[0]
+        if len(params) != batch or len(rngs) != batch:
+            raise ValueError(f"got {batch} logit rows, {len(params)} params and {len(rngs)} rngs; they must match")
+
+        out = np.empty(batch, dtype=np.int64)
+        greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=batch)
+        if greedy.any():
+            out[greedy] = np.argmax(logits[greedy], axis=-1)
+
+        sampled = np.flatnonzero(~greedy)
+        if sampled.size:
+            temps = np.array([params[i].temperature for i in sampled], dtype=np.float64)
+            # float64 before dividing: a tiny temperature would overflow float32 logits to inf.
+            scaled = logits[sampled].astype(np.float64) / temps[:, None]
+            for row, i in zip(scaled, sampled):
+                p = params[i]
+                rng = rngs[i] if rngs[i] is not None else self._fallback_rng
+                out[i] = _sample_row(row, p.top_k, p.top_p, rng)
+        return out

@@ -1,0 +1,228 @@
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from llmc.errors import RequestError
+from llmc.runtime.sampling import Sampler, SamplingParams, _nucleus, make_rng
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": "0.7"}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"stop": ""}, "stop"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"stop": [1]}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
+def test_invalid_params_raise_one_line_request_error(kwargs, field):
+    with pytest.raises(RequestError) as info:
+        SamplingParams(**kwargs)
+    message = str(info.value)
+    assert field in message
+    assert "\n" not in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_temperature_message_suggests_greedy():
+    with pytest.raises(RequestError, match=r"temperature must be >= 0 \(got -0.5\); use 0 for greedy"):
+        SamplingParams(temperature=-0.5)
+
+
+def test_params_are_normalized():
+    p = SamplingParams(stop="###", stop_token_ids=[np.int64(2), 7], temperature=1, top_k=np.int32(5), seed=np.int64(3))
+    assert p.stop == ("###",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert p.stop_token_ids == (2, 7)
+    assert type(p.temperature) is float and type(p.top_k) is int and type(p.seed) is int
+    assert SamplingParams(stop_token_ids=4).stop_token_ids == (4,)
+    hash(p)  # frozen and made of tuples: usable as a dict key
+
+
+def test_greedy_property():
+    assert SamplingParams().greedy
+    assert not SamplingParams(temperature=0.7).greedy
+
+
+def test_greedy_is_argmax_with_lowest_index_on_ties():
+    logits = np.array([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -3.0, -0.5]], dtype=np.float32)
+    out = Sampler().sample(logits, [SamplingParams()] * 3, [None] * 3)
+    assert out.dtype == np.int64 and out.shape == (3,)
+    assert out.tolist() == [1, 0, 3]
+
+
+def _random_logits(rows: int, vocab: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0, 3, size=(rows, vocab)).astype(np.float32)
+
+
+@pytest.mark.parametrize("temperature", [0.01, 1.0, 5.0, 100.0])
+def test_top_k_1_is_greedy_at_any_temperature(temperature):
+    logits = _random_logits(16, 1000)
+    logits[0, [10, 20]] = logits[0].max() + 1  # a tie: must resolve like argmax
+    params = [SamplingParams(temperature=temperature, top_k=1)] * 16
+    rngs = [np.random.default_rng(i) for i in range(16)]
+    out = Sampler().sample(logits, params, rngs)
+    assert out.tolist() == np.argmax(logits, axis=-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 10.0])
+def test_tiny_top_p_is_greedy(temperature):
+    logits = _random_logits(16, 1000, seed=1)
+    params = [SamplingParams(temperature=temperature, top_p=1e-9)] * 16
+    rngs = [np.random.default_rng(i) for i in range(16)]
+    out = Sampler().sample(logits, params, rngs)
+    assert out.tolist() == np.argmax(logits, axis=-1).tolist()
+
+
+def test_top_k_only_samples_from_the_k_best():
+    logits = _random_logits(1, 200, seed=2)
+    best = set(np.argsort(-logits[0])[:5].tolist())
+    sampler, rng = Sampler(), np.random.default_rng(0)
+    params = [SamplingParams(temperature=5.0, top_k=5)]
+    seen = {int(sampler.sample(logits, params, [rng])[0]) for _ in range(500)}
+    assert seen == best
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    logits = np.log(np.array([[0.05, 0.5, 0.15, 0.3]], dtype=np.float32))
+    sampler, rng = Sampler(), np.random.default_rng(0)
+
+    def support(top_p: float) -> set[int]:
+        params = [SamplingParams(temperature=1.0, top_p=top_p)]
+        return {int(sampler.sample(logits, params, [rng])[0]) for _ in range(400)}
+
+    assert support(0.45) == {1}
+    assert support(0.79) == {1, 3}
+    assert support(0.81) == {1, 3, 2}
+    assert support(1.0) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_nucleus_matches_full_sort(top_p):
+    # A flat distribution forces the widening search past its first 64 candidates.
+    probs = np.random.default_rng(3).dirichlet(np.full(5000, 0.5))
+    order = np.argsort(-probs, kind="stable")
+    want = int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
+    got = _nucleus(probs, top_p)
+    assert sorted(got.tolist()) == sorted(order[:want].tolist())
+
+
+def test_temperature_sampling_frequencies_match_softmax():
+    base = np.log(np.array([0.1, 0.2, 0.3, 0.4]))
+    temperature = 2.0
+    expected = np.exp(base / temperature)
+    expected /= expected.sum()
+
+    rows, steps = 2000, 10
+    logits = np.tile(base.astype(np.float32), (rows, 1))
+    params = [SamplingParams(temperature=temperature)] * rows
+    rngs = [np.random.default_rng(1000 + i) for i in range(rows)]
+    sampler = Sampler()
+    draws = np.concatenate([sampler.sample(logits, params, rngs) for _ in range(steps)])
+
+    counts = np.bincount(draws, minlength=4)
+    n = rows * steps
+    chi2 = float((((counts - n * expected) ** 2) / (n * expected)).sum())
+    assert chi2 < 16.27  # 3 degrees of freedom, p = 0.001
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    steps, vocab = 30, 500
+    logits = [_random_logits(1, vocab, seed=100 + s) for s in range(steps)]
+    mine = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+    sampler = Sampler()
+
+    rng = make_rng(mine)
+    alone = [int(sampler.sample(step, [mine], [rng])[0]) for step in logits]
+
+    others = [SamplingParams(), SamplingParams(temperature=1.3, seed=7), SamplingParams(temperature=0.5, top_p=0.5)]
+    batch_rngs = [make_rng(p) for p in others] + [make_rng(mine)]
+    batched = []
+    for s, step in enumerate(logits):
+        noise = _random_logits(3, vocab, seed=s)
+        batch = np.concatenate([noise, step])
+        # Shuffle the row order each step too: position in the batch must not matter.
+        perm = np.random.default_rng(s).permutation(4)
+        out = sampler.sample(batch[perm], [(others + [mine])[i] for i in perm], [batch_rngs[i] for i in perm])
+        batched.append(int(out[list(perm).index(3)]))
+
+    assert batched == alone
+    assert len(set(alone)) > 1  # the test would be vacuous if sampling were effectively greedy
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=0.7, top_k=1),
+    ],
+)
+def test_exactly_one_draw_per_sampled_row(params):
+    rng, twin = np.random.default_rng(5), np.random.default_rng(5)
+    Sampler().sample(_random_logits(1, 100), [params], [rng])
+    twin.random()
+    assert rng.random() == twin.random()
+
+
+def test_greedy_row_does_not_touch_its_rng():
+    rng, twin = np.random.default_rng(5), np.random.default_rng(5)
+    Sampler().sample(_random_logits(1, 100), [SamplingParams(seed=5)], [rng])
+    assert rng.random() == twin.random()
+
+
+def test_masked_logits_are_never_sampled():
+    logits = np.full((1, 10), -np.inf, dtype=np.float32)
+    logits[0, [2, 7]] = [0.0, 0.5]
+    sampler, rng = Sampler(), np.random.default_rng(0)
+    seen = {int(sampler.sample(logits, [SamplingParams(temperature=1.0)], [rng])[0]) for _ in range(200)}
+    assert seen == {2, 7}
+
+
+def test_make_rng():
+    a = make_rng(SamplingParams(seed=42)).random(3)
+    b = make_rng(SamplingParams(seed=42)).random(3)
+    assert a.tolist() == b.tolist()
+    assert isinstance(make_rng(SamplingParams()), np.random.Generator)
+
+
+def test_unseeded_sampled_row_without_rng_still_samples():
+    out = Sampler().sample(_random_logits(2, 50), [SamplingParams(temperature=1.0)] * 2, [None, None])
+    assert all(0 <= t < 50 for t in out.tolist())
+    assert not math.isnan(float(out.sum()))
+
+
+def test_mismatched_lengths_rejected():
+    with pytest.raises(ValueError):
+        Sampler().sample(_random_logits(2, 10), [SamplingParams()], [None])
+
+
+def test_runtime_modules_stay_lean():
+    code = (
+        "import sys, llmc.runtime.sampling, llmc.runtime.metrics, llmc.runtime.detokenize; "
+        "bad = [m for m in ('torch', 'transformers', 'llmc.compiler', 'llmc.passes') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
