@@ -120,8 +120,10 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
 def load_hf_model(folder: Path):
     """Load the checkpoint in fp32 with the SDPA attention the exporter turns into ONNX Attention."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
+    transformers.utils.logging.disable_progress_bar()  # llmc's own progress reports stages
     try:
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.float32, attn_implementation="sdpa"

@@ -117,21 +117,31 @@ def materialize(name: str, cache_dir: Path | None = None) -> Path:
 def _build(recipe: dict, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
 
     cfg = dict(recipe["config"])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    # fork_rng keeps the caller's global RNG state untouched by our seeding.
+    # from_config draws its own (discarded) init from the global RNG; fork_rng keeps the
+    # caller's RNG state as it was.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(recipe["seed"])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        _reinit(model, recipe["init_std"])
+    # A private generator, not the global one, so concurrent builds in one process (threads)
+    # cannot interleave draws and change each other's weights.
+    _reinit(model, recipe["init_std"], torch.Generator().manual_seed(recipe["seed"]))
     model.eval()
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     )
-    model.save_pretrained(out, safe_serialization=True)
+    # A one-shard progress bar is noise in CLI output.
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
 
     for f in _TOKENIZER_FILES:
         shutil.copyfile(_TOKENIZER_DIR / f, out / f)
@@ -142,7 +152,7 @@ def _build(recipe: dict, out: Path) -> None:
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
 
 
-def _reinit(model, init_std: float) -> None:
+def _reinit(model, init_std: float, gen) -> None:
     """Deterministic init, independent of how transformers initializes a given architecture.
 
     Norm weights are 1 + noise rather than 1 so every norm is distinct: an engine that feeds
@@ -161,11 +171,11 @@ def _reinit(model, init_std: float) -> None:
                     continue
                 done.add(id(p))
                 if pname == "bias":
-                    p.normal_(0.0, 0.02)
+                    p.normal_(0.0, 0.02, generator=gen)
                 elif is_norm:
-                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
                 elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                    p.normal_(0.0, init_std)
+                    p.normal_(0.0, init_std, generator=gen)
                 else:
                     raise RuntimeError(
                         f"recipe init does not know how to initialize "

@@ -64,6 +64,68 @@ def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: i
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
+@dataclass
+class StepMetadata:
+    """Per-step values every layer's attention shares: they depend only on the step's inputs."""
+
+    write_index: object  # [2, B, S, 3] (kv, block, offset) for the ScatterND write
+    read_index: tuple  # ([B, M, 2], [B, M, 2]) (kv, block) for the K and V GatherND reads
+    mask: object  # [B, 1, S, T] bool: causal, and within the sliding window if any
+
+
+def emit_step_metadata(ops, past_lens, query_lens, block_tables, batch, seq, block_size, window) -> StepMetadata:
+    """Slots and mask of one step. `batch`, `seq`, `block_size` are 1-element int64 values and
+    `window` a scalar int64 value (0 = no window)."""
+    import onnx_ir as ir
+
+    const, i64 = ops.const, ir.DataType.INT64
+    zero, one, minus_one = const([0]), const([1]), const([-1])
+
+    # Positions and write slots of the new tokens ([B, S]); padding goes to the scratch block.
+    j = ops.Range(const(0), ops.Squeeze(seq, zero), const(1))
+    pos = ops.Add(ops.Unsqueeze(ops.Cast(past_lens, to=i64), one), ops.Unsqueeze(j, zero))
+    valid = ops.Less(ops.Unsqueeze(j, zero), ops.Unsqueeze(ops.Cast(query_lens, to=i64), one))
+    table = ops.Cast(block_tables, to=i64)
+    width = ops.Slice(ops.Shape(table), one, const([2]))
+    col = ops.Min(ops.Div(pos, block_size), ops.Sub(width, one))
+    block = ops.Where(valid, ops.GatherElements(table, col, axis=1), const(SCRATCH_BLOCK))
+    slot = ops.Concat(ops.Unsqueeze(block, minus_one), ops.Unsqueeze(ops.Mod(pos, block_size), minus_one), axis=-1)
+    kv_sel = ops.Expand(const([[[[0]]], [[[1]]]]), ops.Concat(const([2]), batch, seq, one, axis=0))
+    slots = ops.Expand(ops.Unsqueeze(slot, zero), ops.Concat(const([2]), ops.Shape(slot), axis=0))
+    write_index = ops.Concat(kv_sel, slots, axis=-1)
+
+    table_idx = ops.Unsqueeze(table, minus_one)
+    sel_shape = ops.Shape(table_idx)
+    read_index = tuple(ops.Concat(ops.Expand(const([[[which]]]), sel_shape), table_idx, axis=-1)
+                       for which in (0, 1))
+
+    t = ops.Range(const(0), ops.Squeeze(ops.Mul(width, block_size), zero), const(1))
+    pos3, t3 = ops.Unsqueeze(pos, minus_one), ops.Unsqueeze(t, const([0, 1]))
+    lowest = ops.Where(ops.Greater(window, const(0)), ops.Sub(pos3, window), const(-1))
+    mask = ops.Unsqueeze(ops.And(ops.LessOrEqual(t3, pos3), ops.Greater(t3, lowest)), one)
+    return StepMetadata(write_index, read_index, mask)
+
+
+def emit_layer_attention(ops, q, k, v, cache, meta: StepMetadata, kv_width, *, num_heads, num_kv_heads,
+                         scale, softcap):
+    """One layer: write the new K/V in place, read the row's blocks, attend. Returns
+    (output [B, Hq, S, D], updated cache). Attribute arguments may be RefAttrs (in the function)."""
+    const, perm = ops.const, (0, 2, 1, 3)
+    # One ScatterND writes K and V together: a single op whose input is the graph's cache input
+    # and whose output is the graph's cache output is what lets ORT update the pool in place.
+    new_kv = ops.Concat(ops.Unsqueeze(ops.Transpose(k, perm=perm), const([0])),
+                        ops.Unsqueeze(ops.Transpose(v, perm=perm), const([0])), axis=0)
+    cache_out = ops.ScatterND(cache, meta.write_index, new_kv)
+    flat = ops.Concat(const([0, -1]), kv_width, axis=0)  # [B, M, bs, Hkv, D] -> [B, T, Hkv*D]
+    keys, values = (ops.Reshape(ops.GatherND(cache_out, idx), flat) for idx in meta.read_index)
+    q3 = ops.Reshape(ops.Transpose(q, perm=perm), const([0, 0, -1]))
+    y3 = ops.Attention(q3, keys, values, meta.mask, q_num_heads=num_heads, kv_num_heads=num_kv_heads,
+                       scale=scale, softcap=softcap)
+    heads = ops.Slice(ops.Shape(q), const([1]), const([2]))
+    y4 = ops.Reshape(y3, ops.Concat(const([0, 0]), heads, const([-1]), axis=0))
+    return ops.Transpose(y4, perm=perm), cache_out
+
+
 def build_function():
     """The op as an ONNX model-local function (domain llmc), in opset-23 ops ORT runs on CPU."""
     import onnx_ir as ir
@@ -71,92 +133,31 @@ def build_function():
     from llmc.ir_builder import OpBuilder
 
     q, k, v, cache, past_lens, query_lens, block_tables = (ir.Value(name=n) for n in INPUTS)
-    attr_names = ("num_heads", "num_kv_heads", "scale", "sliding_window", "softcap")
-    fn_graph = ir.Graph(
-        inputs=[q, k, v, cache, past_lens, query_lens, block_tables],
-        outputs=[],
-        nodes=[],
-        opset_imports={"": ONNX_OPSET},
-        name=OP_TYPE,
-    )
-    b = OpBuilder(fn_graph)
+    fn_graph = ir.Graph(inputs=[q, k, v, cache, past_lens, query_lens, block_tables], outputs=[],
+                        nodes=[], opset_imports={"": ONNX_OPSET}, name=OP_TYPE)
+    ops = OpBuilder(fn_graph)
+    INT, FLOAT = ir.AttributeType.INT, ir.AttributeType.FLOAT
 
-    def ref(name: str, attr_type: ir.AttributeType) -> ir.RefAttr:
+    def ref(name, attr_type):
         return ir.RefAttr(name, name, attr_type)
 
-    const = b.const
-    i64 = ir.DataType.INT64
-    zero, one = const([0]), const([1])
-    minus_one = const([-1])
+    q_shape, cache_shape_ = ops.Shape(q), ops.Shape(cache)
 
-    # Per-token positions, write slots and validity ([B, S]).
-    q_shape = b.Shape(q)
-    batch, seq = b.Slice(q_shape, zero, one), b.Slice(q_shape, const([2]), const([3]))
-    j = b.Range(const(0), b.Squeeze(seq, zero), const(1))  # [S]
-    past = b.Cast(past_lens, to=i64)
-    pos = b.Add(b.Unsqueeze(past, one), b.Unsqueeze(j, zero))  # [B, S]
-    valid = b.Less(b.Unsqueeze(j, zero), b.Unsqueeze(b.Cast(query_lens, to=i64), one))
-    block_size = b.Slice(b.Shape(cache), const([2]), const([3]))
-    table = b.Cast(block_tables, to=i64)
-    last_col = b.Sub(b.Slice(b.Shape(table), one, const([2])), one)
-    col = b.Min(b.Div(pos, block_size), last_col)
-    block = b.Where(valid, b.GatherElements(table, col, axis=1), const(SCRATCH_BLOCK))
-    offset = b.Mod(pos, block_size)
+    def dim(shape, i):
+        return ops.Slice(shape, ops.const([i]), ops.const([i + 1]))
 
-    # One ScatterND writes K and V together: a single op whose input is the graph's cache input
-    # and whose output is the graph's cache output is what lets ORT update the pool in place.
-    slot = b.Concat(b.Unsqueeze(block, minus_one), b.Unsqueeze(offset, minus_one), axis=-1)
-    slot_shape = b.Concat(const([2]), b.Shape(slot), axis=0)
-    kv_sel = b.Expand(const([[[[0]]], [[[1]]]]), b.Concat(const([2]), batch, seq, one, axis=0))
-    write_idx = b.Concat(kv_sel, b.Expand(b.Unsqueeze(slot, zero), slot_shape), axis=-1)
-    perm = (0, 2, 1, 3)
-    new_kv = b.Concat(
-        b.Unsqueeze(b.Transpose(k, perm=perm), zero),
-        b.Unsqueeze(b.Transpose(v, perm=perm), zero),
-        axis=0,
-    )  # [2, B, S, Hkv, D]
-    cache_out = b.ScatterND(cache, write_idx, new_kv)
-
-    # Paged read: gather each row's blocks, K and V separately, into [B, T, Hkv*D].
-    table_idx = b.Unsqueeze(table, minus_one)
-    sel_shape = b.Shape(table_idx)
-    hidden_kv = b.Mul(
-        b.Slice(b.Shape(cache), const([3]), const([4])), b.Slice(b.Shape(cache), const([4]), const([5]))
-    )
-    flat = b.Concat(batch, minus_one, hidden_kv, axis=0)
-
-    def read(which: int):
-        sel = b.Expand(const([[[which]]]), sel_shape)
-        return b.Reshape(b.GatherND(cache_out, b.Concat(sel, table_idx, axis=-1)), flat)
-
-    keys, values = read(0), read(1)
-
-    # Causal (and sliding-window) mask over the gathered positions: [B, 1, S, T].
-    total = b.Mul(b.Slice(b.Shape(table), one, const([2])), block_size)
-    t = b.Range(const(0), b.Squeeze(total, zero), const(1))
-    pos3 = b.Unsqueeze(pos, minus_one)
-    window = b.Constant(value_int=ref("sliding_window", ir.AttributeType.INT))
-    lowest = b.Where(b.Greater(window, const(0)), b.Sub(pos3, window), const(-1))
-    t3 = b.Unsqueeze(t, const([0, 1]))
-    mask = b.Unsqueeze(b.And(b.LessOrEqual(t3, pos3), b.Greater(t3, lowest)), one)
-
-    q3 = b.Reshape(b.Transpose(q, perm=perm), b.Concat(batch, seq, minus_one, axis=0))
-    y3 = b.Attention(
-        q3,
-        keys,
-        values,
-        mask,
-        q_num_heads=ref("num_heads", ir.AttributeType.INT),
-        kv_num_heads=ref("num_kv_heads", ir.AttributeType.INT),
-        scale=ref("scale", ir.AttributeType.FLOAT),
-        softcap=ref("softcap", ir.AttributeType.FLOAT),
-    )
-    y4 = b.Reshape(y3, b.Concat(batch, seq, b.Slice(q_shape, one, const([2])), minus_one, axis=0))
-    output = b.Transpose(y4, perm=perm)
-
+    window = ops.Constant(value_int=ref("sliding_window", INT))
+    meta = emit_step_metadata(ops, past_lens, query_lens, block_tables, dim(q_shape, 0), dim(q_shape, 2),
+                              dim(cache_shape_, 2), window)
+    kv_width = ops.Mul(dim(cache_shape_, 3), dim(cache_shape_, 4))
+    output, cache_out = emit_layer_attention(
+        ops, q, k, v, cache, meta, kv_width, num_heads=ref("num_heads", INT),
+        num_kv_heads=ref("num_kv_heads", INT), scale=ref("scale", FLOAT), softcap=ref("softcap", FLOAT))
     fn_graph.outputs.extend([output, cache_out])
     output.name, cache_out.name = OUTPUTS
-    return ir.Function(DOMAIN, OP_TYPE, graph=fn_graph, attributes=[ir.Attr(n, ir.AttributeType.UNDEFINED, None) for n in attr_names])
+    attrs = [ir.Attr(n, ir.AttributeType.UNDEFINED, None)
+             for n in ("num_heads", "num_kv_heads", "scale", "sliding_window", "softcap")]
+    return ir.Function(DOMAIN, OP_TYPE, graph=fn_graph, attributes=attrs)
 
 
 def reference(query, key, value, kv_cache, past_lens, query_lens, block_tables, *, num_heads,

@@ -203,7 +203,10 @@ class LLM:
                     engine.blocks.ensure(r.table, p + len(ids))
                     if r.out.metrics.first_scheduled is None:
                         r.out.metrics.mark_scheduled()
-                logits = engine.forward(*self._pack(active, step_ids, past))
+                feeds = self._pack(active, step_ids, past)
+                logits = engine.forward(*feeds)
+                if logits.ndim == 3:  # an all-positions engine: keep each row's last valid token
+                    logits = logits[np.arange(len(active)), feeds[3] - 1]
                 tokens = self.sampler.sample(logits, [r.params for r in active], [r.rng for r in active])
                 now = time.perf_counter()
                 still = []

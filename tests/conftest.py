@@ -1,0 +1,67 @@
+"""Shared, expensive fixtures: one materialized recipe and one engine per family per session.
+
+Engines are built with block size 4 so every test prompt spans many blocks, and with per-pass
+verification on, so each build also checks every pass numerically.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-phi3")
+BLOCK_SIZE = 4
+MAX_CONTEXT = 256
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _recipe_cache(tmp_path_factory):
+    # Recipes materialize into a per-session cache unless the caller provides one.
+    if "LLMC_CACHE" not in os.environ:
+        os.environ["LLMC_CACHE"] = str(tmp_path_factory.mktemp("llmc-cache"))
+    yield
+
+
+class _Engines:
+    def __init__(self, root: Path):
+        self.root = root
+        self._built: dict[str, Path] = {}
+
+    def __call__(self, recipe: str) -> Path:
+        if recipe not in self._built:
+            from llmc.compiler.pipeline import BuildOptions, build
+
+            out = self.root / recipe
+            build(recipe, out, BuildOptions(block_size=BLOCK_SIZE, max_context=MAX_CONTEXT, verify=True))
+            self._built[recipe] = out
+        return self._built[recipe]
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory) -> _Engines:
+    """`engines("tiny-llama")` -> engine dir, built once per session."""
+    return _Engines(tmp_path_factory.mktemp("engines"))
+
+
+@pytest.fixture(scope="session")
+def hf_models():
+    """`hf_models("tiny-llama")` -> (HF model in eval mode, folder), loaded once per session."""
+    cache: dict = {}
+
+    def get(recipe: str):
+        if recipe not in cache:
+            from llmc.compiler.frontend import load_hf_model
+            from llmc.compiler.recipes import materialize
+
+            folder = materialize(recipe)
+            cache[recipe] = (load_hf_model(folder), folder)
+        return cache[recipe]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_engine(engines) -> Path:
+    return engines("tiny-llama")

@@ -1,0 +1,152 @@
+"""Bad input gets a one-line error and a non-zero exit, never a traceback; nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from llmc.cli import main
+from llmc.errors import EngineError, RequestError
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling import SamplingParams
+
+
+def _cli(*args: str):
+    result = CliRunner().invoke(main, list(args))
+    return result, result.output  # click >= 8.2 mixes stderr into output
+
+
+def _assert_one_line_error(args, expected: str):
+    result, text = _cli(*args)
+    assert result.exit_code != 0, text
+    assert "Traceback" not in text
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, text
+    assert expected in errors[0], errors[0]
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
+
+
+@pytest.fixture
+def engine_copy(llama_engine, tmp_path) -> Path:
+    dst = tmp_path / "engine"
+    shutil.copytree(llama_engine, dst)
+    return dst
+
+
+def test_missing_model_path(tmp_path):
+    _assert_one_line_error(["build", str(tmp_path / "nope" / "model"), "-o", str(tmp_path / "e")],
+                           "no model folder")
+    assert not (tmp_path / "e").exists()
+
+
+def test_folder_that_is_not_a_model(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("hi")
+    _assert_one_line_error(["build", str(tmp_path / "notes"), "-o", str(tmp_path / "e")], "no config.json")
+
+
+def test_unsupported_architecture(tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    _assert_one_line_error(["build", str(folder), "-o", str(tmp_path / "e")], "unsupported architecture GPT2LMHeadModel")
+    result, text = _cli("build", str(folder), "-o", str(tmp_path / "e"))
+    assert "LlamaForCausalLM" in text  # the message lists what is supported
+
+
+def test_unknown_pass_and_required_pass(tmp_path):
+    _assert_one_line_error(["build", "tiny-llama", "-o", str(tmp_path / "e"), "--disable-pass", "nope"], "unknown pass")
+    _assert_one_line_error(["build", "tiny-llama", "-o", str(tmp_path / "e"), "--disable-pass", "paged-kv-cache"],
+                           "cannot be disabled")
+
+
+def test_engine_missing_manifest(engine_copy):
+    (engine_copy / "manifest.json").unlink()
+    _assert_one_line_error(["run", str(engine_copy), "hi"], "no manifest.json")
+    _assert_one_line_error(["inspect", str(engine_copy)], "no manifest.json")
+
+
+def test_engine_corrupt_manifest(engine_copy):
+    (engine_copy / "manifest.json").write_text("{not json")
+    _assert_one_line_error(["run", str(engine_copy), "hi"], "corrupt manifest")
+
+
+def test_engine_checksum_mismatch(engine_copy):
+    weights = engine_copy / "model.onnx.data"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    _assert_one_line_error(["run", str(engine_copy), "hi"], "checksum mismatch for model.onnx.data")
+
+
+def test_engine_unknown_schema_version(engine_copy):
+    manifest = json.loads((engine_copy / "manifest.json").read_text())
+    manifest["schema_version"] = 99
+    (engine_copy / "manifest.json").write_text(json.dumps(manifest))
+    _assert_one_line_error(["run", str(engine_copy), "hi"], "newer llmc")
+
+
+def test_no_engine_at_path(tmp_path):
+    _assert_one_line_error(["run", str(tmp_path / "missing"), "hi"], "no engine at")
+
+
+def test_prompt_longer_than_max_context(llama_engine):
+    llm = LLM(llama_engine)
+    long_prompt = " ".join(["word"] * 2000)
+    _assert_one_line_error(["run", str(llama_engine), long_prompt], "max context")
+    with pytest.raises(RequestError, match="max context"):
+        llm.generate(long_prompt)
+    with pytest.raises(RequestError, match="lower max_tokens"):
+        llm.generate("hello", SamplingParams(max_tokens=llm.max_context))
+
+
+@pytest.mark.parametrize("flag,value,field", [
+    ("--temperature", "-1", "temperature"),
+    ("--top-p", "0", "top_p"),
+    ("--top-p", "1.5", "top_p"),
+    ("--top-k", "-1", "top_k"),
+    ("--max-tokens", "0", "max_tokens"),
+])
+def test_invalid_sampling_values(llama_engine, flag, value, field):
+    _assert_one_line_error(["run", str(llama_engine), "hi", flag, value], field)
+
+
+def test_empty_prompt(llama_engine):
+    _assert_one_line_error(["run", str(llama_engine), ""], "prompt is empty")
+    llm = LLM(llama_engine)
+    with pytest.raises(RequestError, match="prompt is empty"):
+        llm.generate("")
+    with pytest.raises(RequestError, match="no prompts given"):
+        llm.generate([])
+
+
+def test_out_of_kv_memory_is_a_clear_error(llama_engine):
+    llm = LLM(llama_engine, kv_cache_blocks=4)  # 3 usable blocks of 4 tokens
+    with pytest.raises(RequestError, match="KV blocks"):
+        llm.generate("a prompt that needs more than twelve tokens of cache, easily", SamplingParams(max_tokens=8))
+    assert llm.engine.blocks.num_free == llm.engine.blocks.capacity
+
+
+def test_interrupted_build_leaves_nothing(tmp_path):
+    from llmc.compiler.pipeline import BuildOptions, build
+
+    target = tmp_path / "engine"
+
+    def interrupt(stage, message):
+        if stage == "passes":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build("tiny-llama", target, BuildOptions(), progress=interrupt)
+    assert not target.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_engine_error_is_one_line(tmp_path):
+    with pytest.raises(EngineError) as err:
+        LLM(tmp_path / "missing")
+    assert "\n" not in str(err.value)
