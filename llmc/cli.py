@@ -38,6 +38,8 @@ def main():
 @click.argument("model", default=DEFAULT_MODEL)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Engine directory to write (default: engines/<model name>).")
+@click.option("--dtype", type=click.Choice(["float32"]), default="float32", show_default=True,
+              help="Weight and activation precision (fp32 on the ORT CPU backend; lower precisions come with quantization).")
 @click.option("--block-size", default=16, show_default=True, help="KV cache block size in tokens.")
 @click.option("--max-context", type=int, default=None,
               help="Longest sequence (prompt + output) the engine serves [default: model max, at most 4096].")
@@ -49,7 +51,7 @@ def main():
 @click.option("--dump-ir", type=click.Path(path_type=Path), default=None,
               help="Write the graph after each pass into this folder.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine at the output path.")
-def build(model, output, block_size, max_context, disable_passes, list_passes, verify, all_logits,
+def build(model, output, dtype, block_size, max_context, disable_passes, list_passes, verify, all_logits,
           dump_ir, overwrite):
     """Compile MODEL (a recipe name, a local HF folder or a hub id) into an engine."""
     if list_passes:

@@ -20,3 +20,10 @@ class EngineError(LlmcError):
 
 class RequestError(LlmcError, ValueError):
     """A request (prompt or sampling parameters) is invalid."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none), for wrapping
+    a library's multi-line error into one of ours."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -150,3 +150,10 @@ def test_engine_error_is_one_line(tmp_path):
     with pytest.raises(EngineError) as err:
         LLM(tmp_path / "missing")
     assert "\n" not in str(err.value)
+
+
+def test_unreachable_hub_id_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never touch the network in tests
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    _assert_one_line_error(["build", "some-org/some-model", "-o", str(tmp_path / "e")], "could not fetch")
+    assert not (tmp_path / "e").exists()

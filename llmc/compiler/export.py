@@ -12,7 +12,7 @@ import io
 import logging
 import warnings
 
-from llmc.errors import ModelError
+from llmc.errors import ModelError, first_line
 from llmc.spec import ModelSpec
 
 OPSET = 23
@@ -55,8 +55,7 @@ def export_onnx(hf_model, spec: ModelSpec):
                 optimize=True,
             )
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"torch.export of {spec.architecture} failed: {first}") from exc
+        raise ModelError(f"torch.export of {spec.architecture} failed: {first_line(exc)}") from exc
     model = program.model
     model.ir_version = IR_VERSION
     return model

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmc.errors import ModelError
+from llmc.errors import ModelError, first_line
 from llmc.spec import ModelSpec
 
 # HF architecture class -> family. Llama, Mistral, Qwen2 and Phi-3 share one structure
@@ -58,9 +58,8 @@ def _download_from_hub(repo_id: str) -> Path:
             allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
         )
     except Exception as exc:  # network, auth, 404: all end up as one line for the user
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(
-            f"could not fetch {repo_id!r} from the HuggingFace hub ({first_line}); "
+            f"could not fetch {repo_id!r} from the HuggingFace hub ({first_line(exc)}); "
             "pass a local folder or a recipe instead"
         ) from None
     return Path(folder)
@@ -129,5 +128,5 @@ def load_hf_model(folder: Path):
             folder, dtype=torch.float32, attn_implementation="sdpa"
         )
     except OSError as exc:
-        raise ModelError(f"cannot load weights from {folder}: {str(exc).splitlines()[0]}") from None
+        raise ModelError(f"cannot load weights from {folder}: {first_line(exc)}") from None
     return model.eval()

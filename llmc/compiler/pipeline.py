@@ -19,7 +19,7 @@ from typing import Callable
 
 from llmc import __version__
 from llmc.artifact import EngineWriter
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, first_line
 from llmc.spec import ModelSpec
 
 MODEL_FILE = "model.onnx"
@@ -211,7 +211,7 @@ def _save_tokenizer(folder: Path, dest: Path) -> None:
 
         AutoTokenizer.from_pretrained(folder, use_fast=True).save_pretrained(dest)
     except Exception as exc:
-        raise LlmcError(f"cannot load a tokenizer from {folder} ({str(exc).splitlines()[0]}); "
+        raise LlmcError(f"cannot load a tokenizer from {folder} ({first_line(exc)}); "
                         "the model folder needs tokenizer files") from None
     if not (dest / "tokenizer.json").is_file():
         raise LlmcError(f"the tokenizer in {folder} has no fast (tokenizer.json) form; llmc needs one")

@@ -4,8 +4,10 @@ A recipe is models/<name>.json: {"description", "seed", "init_std", "config": <H
 materialize(name) turns it into an ordinary HF model folder (config, safetensors weights,
 generation config, the project tokenizer) so the rest of llmc treats it like any local model.
 
-Weights are deterministic for a given recipe: the same bytes on every machine, so tests and
-benchmarks can compare engines against HF across runs. torch/transformers load lazily.
+Weights are deterministic: a recipe gives the same bytes on every machine (for a given torch
+version), so tests and benchmarks can compare engines against HF across runs. The cache key
+covers the recipe file and tokenizer, so editing either (e.g. bumping "seed") gives a new
+folder. torch/transformers load lazily.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from llmc.errors import ModelError
@@ -32,6 +35,9 @@ _REQUIRED_FILES = (
     "special_tokens_map.json",
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Builds in one process run one at a time: transformers' lazy imports are not thread-safe.
+# Across processes, the atomic rename in materialize() is what keeps the cache consistent.
+_BUILD_LOCK = threading.Lock()
 
 
 def _find_recipes_dir() -> Path:
@@ -72,9 +78,9 @@ def load_recipe(name: str) -> dict:
 
 def _cache_root(cache_dir: Path | None) -> Path:
     if cache_dir is not None:
-        return Path(cache_dir)
+        return Path(cache_dir).expanduser()
     if os.environ.get("LLMC_CACHE"):
-        return Path(os.environ["LLMC_CACHE"])
+        return Path(os.environ["LLMC_CACHE"]).expanduser()
     return Path.home() / ".cache" / "llmc"
 
 
@@ -99,7 +105,9 @@ def materialize(name: str, cache_dir: Path | None = None) -> Path:
     # Build beside the target and rename at the end, so nobody ever sees a half-written folder.
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        _build(load_recipe(name), tmp)
+        with _BUILD_LOCK:
+            _build(load_recipe(name), tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
         if final.exists() and not _is_complete(final):
             # Left behind by something other than us (a user deleting files); replace it.
             shutil.rmtree(final, ignore_errors=True)

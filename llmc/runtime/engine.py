@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc.artifact import engine_file, load_manifest
-from llmc.errors import EngineError, LlmcError
+from llmc.errors import EngineError, LlmcError, first_line
 from llmc.runtime.kv_cache import BlockManager
 from llmc.spec import ModelSpec
 
@@ -64,8 +64,7 @@ class Engine:
         try:
             self.session = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
         except Exception as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise EngineError(f"ONNX Runtime cannot load {model_path} ({first}); "
+            raise EngineError(f"ONNX Runtime cannot load {model_path} ({first_line(exc)}); "
                               "rebuild the engine with this llmc version") from None
         self.num_threads = opts.intra_op_num_threads
 
