@@ -101,7 +101,6 @@ def main() -> None:
 
     print(f"model {args.model} · batch 1 · prompt {args.prompt_len} · {args.new_tokens} new tokens · "
           f"{args.threads} threads · median of {args.repeats}")
-    print(f"{'':18s}{'TTFT ms':>10s}{'TPOT ms':>10s}{'tok/s':>9s}")
     labels = {"llmc": "llmc (ORT CPU)", "hf-sdpa": "HF eager, sdpa", "hf-eager": "HF eager, eager attn"}
     print(f"{'':22s}{'TTFT ms':>10s}{'TPOT ms':>10s}{'tok/s':>9s}")
     for name, label in labels.items():
