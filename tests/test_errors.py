@@ -128,7 +128,7 @@ def test_out_of_kv_memory_is_a_clear_error(llama_engine):
     llm = LLM(llama_engine, kv_cache_blocks=4)  # 3 usable blocks of 4 tokens
     with pytest.raises(RequestError, match="KV blocks"):
         llm.generate("a prompt that needs more than twelve tokens of cache, easily", SamplingParams(max_tokens=8))
-    assert llm.engine.blocks.num_free == llm.engine.blocks.capacity
+    assert llm.blocks.num_free == llm.blocks.capacity
 
 
 def test_interrupted_build_leaves_nothing(tmp_path):

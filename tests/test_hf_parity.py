@@ -74,7 +74,7 @@ def test_greedy_48_tokens_identical_to_hf_generate(recipe, engines, hf_models):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)
         assert out.token_ids == ref[0, len(prompt):].tolist()
-    assert llm.engine.blocks.num_free == llm.engine.blocks.capacity
+    assert llm.blocks.num_free == llm.blocks.capacity
 
 
 def test_text_prompt_batch_matches_one_at_a_time(llama_engine):

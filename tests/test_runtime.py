@@ -70,7 +70,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
 
 
 def test_pool_is_whole_after_runs_and_abandoned_streams(llm):
-    blocks = llm.engine.blocks
+    blocks = llm.blocks
     llm.generate(["a", "bb bb", "ccc ccc ccc"], SamplingParams(max_tokens=9, ignore_eos=True))
     assert blocks.num_free == blocks.capacity
     stream = iter(llm.stream("abandon me", SamplingParams(max_tokens=40, ignore_eos=True)))

@@ -14,7 +14,6 @@ import numpy as np
 
 from llmc.artifact import engine_file, load_manifest
 from llmc.errors import EngineError, LlmcError, first_line
-from llmc.runtime.kv_cache import BlockManager
 from llmc.spec import ModelSpec
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
@@ -69,7 +68,6 @@ class Engine:
         self.num_threads = opts.intra_op_num_threads
 
         self.num_blocks = self._pool_blocks(kv_cache_blocks, kv_cache_bytes)
-        self.blocks = BlockManager(self.num_blocks, self.block_size)
         shape = (2, self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self._pools = []
         self._binding = self.session.io_binding()

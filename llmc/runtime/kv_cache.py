@@ -1,52 +1,174 @@
-"""KV block manager: hands out blocks of the paged pool to sequences.
+"""KV block manager: reference-counted blocks of the paged pool, with automatic prefix caching.
 
-Block 0 is the scratch block (padding tokens' writes land there), so it is never handed out.
-A sequence's block table grows as it decodes; freeing a sequence returns all of its blocks.
+A full block is identified by a hash chained over every token before and in it, so two
+sequences with the same prefix map their leading blocks to the same physical blocks. Freed
+blocks keep their contents and hash and wait in an LRU free list: a later request with the
+same prefix takes them back (a hit); fresh allocations take the least recently freed block and
+evict its hash. Block 0 is the graph's scratch block (padding writes land there) and is never
+handed out.
+
+A sequence (anything with `token_ids`, `block_table`, `num_computed_tokens`,
+`num_hashed_blocks`) meets the manager
+through four verbs: `allocate_prefix` (take cached blocks for its prompt), `can_append` /
+`append` (grow its table to cover tokens it is about to compute), `commit` (hash blocks that
+have become full) and `free`.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
-from llmc.errors import RequestError
+SCRATCH_BLOCK = 0
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def chain_hash(prefix_hash: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((prefix_hash, tokens))
+
+
+@dataclass
+class CacheStats:
+    queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    hit_tokens: int = 0  # of which were found cached
+    evictions: int = 0  # cached blocks whose contents were dropped for a new allocation
+
+
+class _Block:
+    __slots__ = ("ref_count", "hash", "tokens")
+
+    def __init__(self):
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.tokens: tuple[int, ...] | None = None
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 2:
             raise ValueError("the pool needs the scratch block and at least one more")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self._by_hash: dict[int, int] = {}
+        self.stats = CacheStats()
+
+    # -- queries ----------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Blocks sequences can use (all but the scratch block)."""
+        return self.num_blocks - 1
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     @property
-    def capacity(self) -> int:
-        """Blocks a sequence can ever use (all but the scratch block)."""
-        return self.num_blocks - 1
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.capacity
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+    def blocks_needed(self, seq, num_tokens: int) -> int:
+        return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
 
-    def ensure(self, table: list[int], num_tokens: int) -> None:
-        """Grow `table` so it covers `num_tokens` positions."""
-        need = blocks_for(num_tokens, self.block_size) - len(table)
-        if need <= 0:
-            return
+    def can_append(self, seq, num_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_tokens) <= len(self._free)
+
+    # -- verbs ------------------------------------------------------------------------------
+
+    def allocate_prefix(self, seq) -> int:
+        """Give a sequence with an empty table the cached blocks of its longest cached prefix;
+        returns the number of tokens covered. The block holding the last token is never taken
+        from the cache: that token must be computed to produce logits."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        tokens = seq.token_ids
+        if not self.enable_prefix_caching:
+            return 0
+        prefix: int | None = None
+        for i in range((len(tokens) - 1) // self.block_size):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            prefix = chain_hash(prefix, chunk)
+            bid = self._by_hash.get(prefix)
+            if bid is None or self._blocks[bid].tokens != chunk:
+                break
+            block = self._blocks[bid]
+            if block.ref_count == 0:
+                del self._free[bid]
+            block.ref_count += 1
+            seq.block_table.append(bid)
+        cached = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = cached
+        seq.num_hashed_blocks = len(seq.block_table)
+        return cached
+
+    def record_lookup(self, num_tokens: int, cached_tokens: int) -> None:
+        """Count a prefix lookup once the sequence is really admitted (not on retries)."""
+        self.stats.queried_tokens += num_tokens
+        self.stats.hit_tokens += cached_tokens
+
+    def append(self, seq, num_tokens: int) -> None:
+        """Grow the table to cover `num_tokens` positions with fresh blocks."""
+        need = self.blocks_needed(seq, num_tokens)
         if need > len(self._free):
-            raise RequestError(
-                f"out of KV cache memory: need {need} more blocks, {len(self._free)} free of "
-                f"{self.capacity}; raise kv_cache_blocks or run fewer requests at once"
-            )
-        table.extend(self._free.popleft() for _ in range(need))
+            raise MemoryError(f"need {need} KV blocks, {len(self._free)} free")
+        for _ in range(need):
+            bid, _ = self._free.popitem(last=False)  # least recently freed first
+            block = self._blocks[bid]
+            if block.hash is not None:
+                if self._by_hash.get(block.hash) == bid:
+                    del self._by_hash[block.hash]
+                block.hash = block.tokens = None
+                self.stats.evictions += 1
+            block.ref_count = 1
+            seq.block_table.append(bid)
 
-    def free(self, table: list[int]) -> None:
-        self._free.extend(table)
-        table.clear()
+    def commit(self, seq) -> None:
+        """Register blocks that the computed tokens have filled, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        start = seq.num_hashed_blocks
+        prefix = self._blocks[seq.block_table[start - 1]].hash if start else None
+        for i in range(start, full):
+            block = self._blocks[seq.block_table[i]]
+            if block.hash is None:
+                chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                block.hash, block.tokens = chain_hash(prefix, chunk), chunk
+                self._by_hash.setdefault(block.hash, seq.block_table[i])
+            prefix = block.hash
+        seq.num_hashed_blocks = max(start, full)
+
+    def free(self, seq) -> None:
+        """Drop the sequence's references; unreferenced blocks keep their contents for reuse.
+        Tail blocks are freed first so they are evicted before the prefix they extend."""
+        for bid in reversed(seq.block_table):
+            block = self._blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if not self.enable_prefix_caching:
+                    block.hash = block.tokens = None
+                self._free[bid] = None
+        seq.block_table.clear()
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    # -- invariants (tests) -----------------------------------------------------------------
+
+    def check(self, live_tables: list[list[int]]) -> None:
+        """Assert the bookkeeping is consistent with the given live block tables."""
+        refs = [0] * self.num_blocks
+        for table in live_tables:
+            for bid in table:
+                refs[bid] += 1
+        assert refs[SCRATCH_BLOCK] == 0 and SCRATCH_BLOCK not in self._free
+        for bid in range(1, self.num_blocks):
+            block = self._blocks[bid]
+            assert block.ref_count == refs[bid], (bid, block.ref_count, refs[bid])
+            assert (bid in self._free) == (block.ref_count == 0), bid
+        for h, bid in self._by_hash.items():
+            assert self._blocks[bid].hash == h, (h, bid)

@@ -1,0 +1,105 @@
+"""A request's state as it moves through the scheduler, and what users get back.
+
+There is no separate "prefill" and "decode" state: a request has `token_ids` (prompt, then
+outputs) of which the first `num_computed_tokens` have K/V in the cache. Each step computes
+some of the rest (a prefill chunk, or the one newly sampled token when decoding); when all are
+computed, the last one's logits give the next token. Preemption frees the blocks and sets
+`num_computed_tokens` back to 0: recomputation is then just a longer prefill.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from llmc.runtime.detokenize import IncrementalDetokenizer, find_stop, stop_holdback
+from llmc.runtime.metrics import RequestTimes
+from llmc.runtime.sampling import SamplingParams, make_rng
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" (EOS, stop token/string), "length" or "abort"
+    metrics: RequestTimes | None = None
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    preemptions: int = 0
+    delta: str = ""  # in streamed snapshots: the text added since the previous snapshot
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Request:
+    def __init__(self, request_id: str, order: int, prompt: str | None, prompt_ids: list[int],
+                 params: SamplingParams, tokenizer, eos_ids: frozenset[int]):
+        self.request_id = request_id
+        self.order = order  # arrival order: FCFS admission, newest is preempted first
+        self.params = params
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_hashed_blocks = 0
+        self.status = Status.WAITING
+        self.rng = make_rng(params)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+        self.out = RequestOutput(request_id, prompt, list(prompt_ids),
+                                 metrics=RequestTimes(arrival=time.perf_counter()))
+        self._emitted = 0  # characters of text already streamed
+        self._admitted = False
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def admitted(self, cached_tokens: int) -> None:
+        if not self._admitted:
+            self._admitted = True
+            self.out.prefix_hit_tokens = cached_tokens
+            self.out.metrics.mark_scheduled()
+
+    def append(self, token: int, now: float, max_context: int) -> None:
+        """Add a sampled token and decide whether the request is done."""
+        out = self.out
+        self.token_ids.append(token)
+        out.token_ids.append(token)
+        out.metrics.record_token(now)
+        if token in self.stop_ids:
+            out.text += self.detok.flush()
+            out.finish_reason = "stop"
+            return
+        out.text += self.detok.add(token)
+        if self.params.stop:
+            cut = find_stop(out.text, self.params.stop, max(0, len(out.text) - 64))
+            if cut is not None:
+                out.text = out.text[:cut]
+                out.finish_reason = "stop"
+                return
+        if len(out.token_ids) >= self.params.max_tokens or len(self.token_ids) >= max_context:
+            out.text += self.detok.flush()
+            out.finish_reason = "length"
+
+    def delta(self) -> str:
+        """Text not streamed yet, holding back what could still become a stop string."""
+        text = self.out.text
+        end = len(text) if self.out.finished else len(text) - stop_holdback(text, self.params.stop)
+        piece, self._emitted = text[self._emitted:end], max(self._emitted, end)
+        return piece

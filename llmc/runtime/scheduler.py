@@ -1,0 +1,116 @@
+"""In-flight batching scheduler: two queues, a token budget, chunked prefill, recompute preemption.
+
+Each step: running requests first, decodes before prefill chunks (so a long prompt never stalls
+everyone's next token), each taking at most `chunk_size` tokens of the step's
+`max_num_batched_tokens` budget; then waiting requests are admitted FCFS while the budget,
+`max_num_seqs` and free KV blocks allow. When a running request needs a block and none is free,
+the newest running request is preempted: its blocks are freed and it goes back to the front of
+the waiting queue, to be recomputed later (its cached prefix usually survives in the LRU pool).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from llmc.errors import LlmcError
+from llmc.runtime.kv_cache import BlockManager
+from llmc.runtime.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16  # requests running at once
+    max_num_batched_tokens: int = 512  # tokens computed per step, all requests together
+    chunk_size: int = 256  # most prompt tokens one request computes in a step
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LlmcError(f"{name} must be an integer >= 1 (got {value!r})")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise LlmcError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                            f"({self.max_num_seqs}) so every running request can decode each step")
+        if self.chunk_size > self.max_num_batched_tokens:
+            raise LlmcError(f"chunk_size ({self.chunk_size}) must be <= max_num_batched_tokens "
+                            f"({self.max_num_batched_tokens})")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise LlmcError(f"enable_prefix_caching must be True or False (got {self.enable_prefix_caching!r})")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """Pick (request, number of tokens to compute) pairs for this step; blocks are allocated."""
+        budget = self.config.max_num_batched_tokens
+        step: dict[Request, int] = {}
+        for req in sorted(self.running, key=lambda r: (r.num_pending_tokens > 1, r.order)):
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(req.num_pending_tokens, self.config.chunk_size, budget)
+            if n <= 0:
+                continue
+            if not self._make_room(req, req.num_computed_tokens + n, step):
+                continue
+            self.blocks.append(req, req.num_computed_tokens + n)
+            step[req] = n
+            budget = self.config.max_num_batched_tokens - sum(step.values())
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.blocks.allocate_prefix(req)
+            n = min(req.num_pending_tokens, self.config.chunk_size, budget)
+            if not self.blocks.can_append(req, req.num_computed_tokens + n):
+                self.blocks.free(req)  # give the cached blocks back; try again next step
+                break
+            self.waiting.popleft()
+            self.blocks.record_lookup(len(req.token_ids), cached)
+            req.status = Status.RUNNING
+            req.admitted(cached)
+            self.running.append(req)
+            self.blocks.append(req, req.num_computed_tokens + n)
+            step[req] = n
+            budget -= n
+        return list(step.items())
+
+    def _make_room(self, req: Request, num_tokens: int, step: dict[Request, int]) -> bool:
+        """Preempt the newest running requests until `req` can grow; False if `req` itself went."""
+        while not self.blocks.can_append(req, num_tokens):
+            victim = max(self.running, key=lambda r: r.order)
+            self.preempt(victim)
+            step.pop(victim, None)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        self.blocks.free(req)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.out.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """Retire a request (finished or aborted) and free its blocks."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free(req)
+        req.status = Status.FINISHED
