@@ -161,3 +161,21 @@ def test_async_llm_streams_concurrently_and_aborts(llama_engine):
     aborted, _ = results[2]
     assert aborted[-1].finish_reason == "abort" and len(aborted[-1].token_ids) < 200
     assert engine.llm.blocks.num_free == engine.llm.blocks.capacity
+
+
+def test_backend_failure_fails_the_step_not_the_engine(llama_engine, monkeypatch):
+    llm = LLM(llama_engine)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    victim = llm.output(llm.add_request("this one hits a broken backend", params))
+    real_forward = llm.engine.forward
+
+    def broken(*args):
+        raise RuntimeError("simulated ORT failure\nwith a second line")
+
+    monkeypatch.setattr(llm.engine, "forward", broken)
+    llm.step()
+    assert victim.finish_reason == "error" and "simulated ORT failure" in victim.error
+    assert "\n" not in victim.error
+    assert llm.blocks.num_free == llm.blocks.capacity and not llm.has_unfinished()
+    monkeypatch.setattr(llm.engine, "forward", real_forward)
+    assert len(llm.generate("the engine still serves", params).token_ids) == 6

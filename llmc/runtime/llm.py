@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from llmc.errors import LlmcError, RequestError
+from llmc.errors import LlmcError, RequestError, first_line
 from llmc.runtime.engine import Engine
 from llmc.runtime.kv_cache import BlockManager, blocks_for
 from llmc.runtime.request import Request, RequestOutput, Status
@@ -111,8 +111,15 @@ class LLM:
         decodes = [(r, n) for r, n in scheduled if n == 1]
         prefills = [(r, n) for r, n in scheduled if n > 1]
         for rows in (decodes, prefills):
-            if rows:
+            if not rows:
+                continue
+            try:
                 updated += self._run(rows)
+            except Exception as exc:  # a backend failure ends the step's requests, not the server
+                for r, _ in rows:
+                    r.out.finish_reason, r.out.error = "error", f"backend step failed: {first_line(exc)}"
+                    if r not in updated:
+                        updated.append(r)
         for r in updated:
             if r.out.finished:
                 self.scheduler.finish(r)

@@ -31,7 +31,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop" (EOS, stop token/string), "length" or "abort"
+    finish_reason: str | None = None  # "stop" (EOS, stop token/string), "length", "abort" or "error"
+    error: str | None = None  # with finish_reason "error": what failed
     metrics: RequestTimes | None = None
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     preemptions: int = 0
