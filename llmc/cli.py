@@ -72,10 +72,11 @@ def build(model, output, dtype, block_size, max_context, disable_passes, list_pa
                            overwrite=overwrite, last_token_logits=not all_logits)
     console = Console(stderr=True, highlight=False)
     with console.status(f"building {model}") as status:
-        def progress(stage: str, message: str) -> None:
-            status.update(f"[bold]{stage}[/] {message}")
-            if "(" in message and message.endswith("s)") or stage == "passes":
+        def progress(stage: str, message: str, finished: bool) -> None:
+            if finished:
                 console.print(f"  [green]✓[/] [bold]{stage:8s}[/] {message}")
+            else:
+                status.update(f"[bold]{stage}[/] {message}")
 
         result = run_build(model, output, options, progress)
     total = sum(s.seconds for s in result.stages)
@@ -107,6 +108,7 @@ def run(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignor
     for piece in stream:
         click.echo(piece, nl=False)
     click.echo()
+    sys.stdout.flush()  # the summary goes to stderr: keep it after the text when both are piped
     click.echo(summary_line(stream.output), err=True)
 
 

@@ -136,7 +136,7 @@ def test_interrupted_build_leaves_nothing(tmp_path):
 
     target = tmp_path / "engine"
 
-    def interrupt(stage, message):
+    def interrupt(stage, message, finished):
         if stage == "passes":
             raise KeyboardInterrupt
 

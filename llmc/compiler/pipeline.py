@@ -66,7 +66,7 @@ class BuildResult:
     peak_rss_mb: float = 0.0
 
 
-Progress = Callable[[str, str], None]  # (stage, message)
+Progress = Callable[[str, str, bool], None]  # (stage, message, finished)
 
 
 def peak_rss_mb() -> float:
@@ -82,17 +82,17 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
 
     options = options or BuildOptions()
     options.validate()
-    say = progress or (lambda stage, msg: None)
+    say = progress or (lambda stage, msg, finished=False: None)
     stages: list[StageRecord] = []
     output = Path(output)
 
     def stage(name: str, start: float, detail: str = "") -> None:
         stages.append(StageRecord(name, time.perf_counter() - start, detail))
-        say(name, f"{detail} ({stages[-1].seconds:.1f}s)" if detail else f"done ({stages[-1].seconds:.1f}s)")
+        say(name, f"{detail} ({stages[-1].seconds:.1f}s)" if detail else f"done ({stages[-1].seconds:.1f}s)", True)
 
     with EngineWriter(output, overwrite=options.overwrite) as writer:
         t = time.perf_counter()
-        say("resolve", f"resolving {model_ref}")
+        say("resolve", f"resolving {model_ref}", False)
         folder = resolve_model(model_ref)
         config = read_config(folder)
         spec = model_spec_from_config(config)
@@ -103,13 +103,13 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         stage("resolve", t, f"{spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}")
 
         t = time.perf_counter()
-        say("load", "loading weights")
+        say("load", "loading weights", False)
         hf_model = load_hf_model(folder)
         num_params = sum(p.numel() for p in hf_model.parameters())
         stage("load", t, f"{num_params / 1e6:.1f}M parameters")
 
         t = time.perf_counter()
-        say("export", "torch.export -> ONNX opset 23")
+        say("export", "torch.export -> ONNX opset 23", False)
         model = export_onnx(hf_model, spec)
         del hf_model
         stage("export", t, f"{sum(1 for _ in model.graph)} nodes")
@@ -122,13 +122,13 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             make_passes(names),
             verifier=verifier if options.verify else None,
             dump_dir=options.dump_ir,
-            on_pass=lambda r: say("passes", f"{r.name}: {_counts_text(r.counts)}"),
+            on_pass=lambda r: say("passes", f"{r.name}: {_counts_text(r.counts)}", True),
         )
         records = manager.run(model, ctx)
         stage("passes", t, f"{len(records)} passes, {sum(1 for _ in model.graph)} nodes")
 
         t = time.perf_counter()
-        say("save", f"writing {output}")
+        say("save", f"writing {output}", False)
         import onnx_ir as ir
 
         ir.save(model, writer.path / MODEL_FILE, external_data=WEIGHTS_FILE)
@@ -176,7 +176,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
 
 
 def _counts_text(counts: dict[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in counts.items()) or "no change"
+    return ", ".join(f"{k}={v}" for k, v in counts.items() if v) or "no change"
 
 
 def _io_names(model, spec: ModelSpec) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from llmc.passes.base import BuildContext, Pass, PassManager, PassRecord, PassResult, RewriteRule
 
 __all__ = ["BuildContext", "Pass", "PassManager", "PassRecord", "PassResult", "RewriteRule",
-           "ALL_PASSES", "REQUIRED_PASSES", "default_pipeline", "make_passes"]
+           "ALL_PASSES", "REQUIRED_PASSES", "make_passes"]
 
 
 def _registry() -> dict[str, type[Pass]]:
@@ -21,10 +21,6 @@ def _registry() -> dict[str, type[Pass]]:
 # In pipeline order. The runtime contract needs the paged rewrite and a backend lowering.
 ALL_PASSES = ("cleanup", "native-gqa", "paged-kv-cache", "last-token-logits", "ort-lower")
 REQUIRED_PASSES = ("paged-kv-cache", "ort-lower")
-
-
-def default_pipeline(backend: str = "ort") -> list[str]:
-    return list(ALL_PASSES)
 
 
 def make_passes(names: list[str]) -> list[Pass]:

@@ -118,6 +118,10 @@ class RulePass(Pass):
         return PassResult(any(counts.values()), dict(counts), misses)
 
 
+def graph_input(graph: ir.Graph, name: str) -> ir.Value | None:
+    return next((v for v in graph.inputs if v.name == name), None)
+
+
 def producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
     """The node producing `value` if it is an `op_type` from the default domain."""
     if value is None:

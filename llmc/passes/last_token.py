@@ -10,8 +10,8 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from llmc.ir_builder import OpBuilder
-from llmc.passes.base import BuildContext, RewriteRule, RulePass
-from llmc.passes.paged_kv import QUERY_LENS, _graph_input
+from llmc.passes.base import BuildContext, PassResult, RewriteRule, RulePass, graph_input
+from llmc.passes.paged_kv import QUERY_LENS
 
 LOGITS = "logits"
 
@@ -28,7 +28,7 @@ class GatherBeforeLMHead(RewriteRule):
         node = m["lm_head"]
         if node.op_type != "MatMul":
             return f"logits come from {node.op_type}, expected the LM head MatMul"
-        if node.graph is None or _graph_input(node.graph, QUERY_LENS) is None:
+        if node.graph is None or graph_input(node.graph, QUERY_LENS) is None:
             return "graph has no query_lens input; run paged-kv-cache first"
         shape = node.outputs[0].shape
         if shape is not None and len(shape) != 3:
@@ -40,7 +40,7 @@ class GatherBeforeLMHead(RewriteRule):
         graph = model.graph
         hidden = head.inputs[0]
         ops = OpBuilder(name_prefix="last_token_")  # detached: nodes are inserted below
-        last = ops.Sub(ops.Cast(_graph_input(graph, QUERY_LENS), to=ir.DataType.INT64), ops.const(1))
+        last = ops.Sub(ops.Cast(graph_input(graph, QUERY_LENS), to=ir.DataType.INT64), ops.const(1))
         width = ops.Slice(ops.Shape(hidden), ops.const([2]), ops.const([3]))
         index = ops.Expand(ops.Reshape(last, ops.const([-1, 1, 1])),
                            ops.Concat(ops.const([1, 1]), width, axis=0))  # broadcasts to [B, 1, H]
@@ -69,7 +69,5 @@ class LastTokenLogits(RulePass):
 
     def run(self, model, ctx):
         if not ctx.last_token_logits:
-            from llmc.passes.base import PassResult
-
             return PassResult(False, {}, ["disabled: the build asked for logits at all positions"])
         return super().run(model, ctx)

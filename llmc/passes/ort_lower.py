@@ -14,8 +14,8 @@ import onnx_ir as ir
 from onnx_ir.passes import common as ir_passes
 
 from llmc.ir_builder import OpBuilder
-from llmc.passes.base import BuildContext, Pass, PassResult
-from llmc.passes.paged_kv import BLOCK_TABLES, PAST_LENS, QUERY_LENS, _graph_input
+from llmc.passes.base import BuildContext, Pass, PassResult, graph_input
+from llmc.passes.paged_kv import BLOCK_TABLES, PAST_LENS, QUERY_LENS
 from llmc.plugins import paged_attention as pa
 
 
@@ -34,7 +34,7 @@ class LowerPagedAttentionORT(Pass):
             return PassResult(False, {}, ["no llmc::PagedAttention nodes to lower"])
 
         meta_ops = OpBuilder(name_prefix="paged_meta_")
-        ids_shape = meta_ops.Shape(_graph_input(graph, "input_ids"))
+        ids_shape = meta_ops.Shape(graph_input(graph, "input_ids"))
         batch = meta_ops.Slice(ids_shape, meta_ops.const([0]), meta_ops.const([1]))
         seq = meta_ops.Slice(ids_shape, meta_ops.const([1]), meta_ops.const([2]))
         block_size = meta_ops.const([ctx.block_size])
@@ -44,8 +44,8 @@ class LowerPagedAttentionORT(Pass):
             window = int(_attr(node, "sliding_window"))
             if window not in metas:
                 metas[window] = pa.emit_step_metadata(
-                    meta_ops, _graph_input(graph, PAST_LENS), _graph_input(graph, QUERY_LENS),
-                    _graph_input(graph, BLOCK_TABLES), batch, seq, block_size, meta_ops.const(window))
+                    meta_ops, graph_input(graph, PAST_LENS), graph_input(graph, QUERY_LENS),
+                    graph_input(graph, BLOCK_TABLES), batch, seq, block_size, meta_ops.const(window))
         graph.insert_before(nodes[0], meta_ops.nodes)
 
         for i, node in enumerate(nodes):

@@ -13,7 +13,7 @@ import math
 
 import onnx_ir as ir
 
-from llmc.passes.base import BuildContext, RewriteRule, RulePass, producer
+from llmc.passes.base import BuildContext, RewriteRule, RulePass, graph_input, producer
 from llmc.passes.cleanup import remove_dead_code
 from llmc.plugins import paged_attention as pa
 
@@ -26,10 +26,6 @@ def cache_input_name(layer: int) -> str:
 
 def cache_output_name(layer: int) -> str:
     return f"kv_cache_out.{layer}"
-
-
-def _graph_input(graph: ir.Graph, name: str) -> ir.Value | None:
-    return next((v for v in graph.inputs if v.name == name), None)
 
 
 class AttentionToPaged(RewriteRule):
@@ -74,8 +70,8 @@ class AttentionToPaged(RewriteRule):
             softcap=node.attributes.get_float("softcap", 0.0),
         )
         inputs = [node.inputs[0], node.inputs[1], node.inputs[2], cache,
-                  _graph_input(graph, PAST_LENS), _graph_input(graph, QUERY_LENS),
-                  _graph_input(graph, BLOCK_TABLES)]
+                  graph_input(graph, PAST_LENS), graph_input(graph, QUERY_LENS),
+                  graph_input(graph, BLOCK_TABLES)]
         paged = ir.Node(
             pa.DOMAIN, pa.OP_TYPE, inputs,
             attributes=[ir.convenience.convert_attribute(k, v) for k, v in attrs.as_dict().items()],
@@ -102,7 +98,7 @@ class PagedKVCache(RulePass):
         i32 = ir.TensorType(ir.DataType.INT32)
         for name, shape in ((PAST_LENS, ["batch"]), (QUERY_LENS, ["batch"]),
                             (BLOCK_TABLES, ["batch", "max_blocks"])):
-            if _graph_input(graph, name) is None:
+            if graph_input(graph, name) is None:
                 graph.inputs.append(ir.Value(name=name, type=i32, shape=ir.Shape(shape)))
 
     def finish(self, model: ir.Model, ctx: BuildContext, counts) -> None:
@@ -110,7 +106,7 @@ class PagedKVCache(RulePass):
         if not counts:
             # Nothing rewritten: leave the interface as it was.
             for name in (PAST_LENS, QUERY_LENS, BLOCK_TABLES):
-                value = _graph_input(graph, name)
+                value = graph_input(graph, name)
                 if value is not None and not value.uses():
                     graph.inputs.remove(value)
             return
