@@ -83,7 +83,8 @@ def main() -> None:
     hf_models = {impl: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=impl).eval()
                  for impl in ("sdpa", "eager")}
     # No spinning: ORT's idle workers would otherwise steal the cores torch runs on in between.
-    llm = LLM(engine, num_threads=args.threads, allow_spinning=False)
+    # Cold prefill every repeat: the same prompt would otherwise hit the prefix cache.
+    llm = LLM(engine, num_threads=args.threads, allow_spinning=False, enable_prefix_caching=False)
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, llm.engine.spec.vocab_size, args.prompt_len).tolist()
 
