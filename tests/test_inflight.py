@@ -179,3 +179,37 @@ def test_backend_failure_fails_the_step_not_the_engine(llama_engine, monkeypatch
     assert llm.blocks.num_free == llm.blocks.capacity and not llm.has_unfinished()
     monkeypatch.setattr(llm.engine, "forward", real_forward)
     assert len(llm.generate("the engine still serves", params).token_ids) == 6
+
+
+def test_auto_ids_never_collide_with_chosen_ones(llama_engine):
+    llm = LLM(llama_engine)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    chosen = llm.add_request("mine", params, request_id="req-1")
+    auto = [llm.add_request("auto", params) for _ in range(3)]
+    assert len({chosen, *auto}) == 4
+    outs = [llm.output(r) for r in (chosen, *auto)]
+    while llm.has_unfinished():
+        llm.step()
+    assert all(len(o.token_ids) == 2 for o in outs)
+
+
+def test_async_loop_failure_ends_streams_instead_of_hanging(llama_engine, monkeypatch):
+    async def main():
+        engine = AsyncLLM(llama_engine)
+
+        def broken():
+            raise RuntimeError("scheduler exploded")
+
+        monkeypatch.setattr(engine.llm, "step", broken)
+        stream = await engine.add_request("hello", SamplingParams(max_tokens=4))
+        return engine, await asyncio.wait_for(_last(stream), timeout=10)
+
+    async def _last(stream):
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    engine, last = asyncio.run(main())
+    assert last.finish_reason == "error" and "scheduler exploded" in last.error
+    assert engine.llm.blocks.num_free == engine.llm.blocks.capacity and not engine.llm.has_unfinished()

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import AsyncIterator, Sequence
 
+from llmc.errors import first_line
 from llmc.runtime.llm import LLM
 from llmc.runtime.request import RequestOutput
 from llmc.runtime.sampling import SamplingParams
@@ -46,6 +47,15 @@ class AsyncLLM:
             queue.put_nowait(copy.copy(output))  # the final, aborted snapshot ends the stream
         return aborted
 
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._queues):
+            with self._lock:
+                output = self.llm.output(rid)
+                self.llm.abort(rid)
+            if output is not None:
+                output.finish_reason, output.error = "error", message
+                self._queues.pop(rid).put_nowait(copy.copy(output))
+
     async def _outputs(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         while True:
             out = await queue.get()
@@ -67,7 +77,12 @@ class AsyncLLM:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while self.llm.has_unfinished():
-            for rid, out in await loop.run_in_executor(None, self._step):
+            try:
+                results = await loop.run_in_executor(None, self._step)
+            except Exception as exc:  # end every open stream rather than leave its consumer waiting
+                self._fail_all(f"engine loop failed: {first_line(exc)}")
+                return
+            for rid, out in results:
                 queue = self._queues.get(rid)
                 if queue is not None:
                     queue.put_nowait(out)

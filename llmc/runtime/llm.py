@@ -83,8 +83,7 @@ class LLM:
                     request_id: str | None = None) -> str:
         """Validate and queue a request; it joins the running batch at the next step."""
         request = self._make_request(prompt, params or SamplingParams(), request_id)
-        self._requests[request.request_id] = request
-        self.scheduler.add(request)
+        self._enqueue(request)
         return request.request_id
 
     def abort(self, request_id: str) -> bool:
@@ -139,8 +138,7 @@ class LLM:
             raise RequestError(f"got {len(params)} SamplingParams for {len(batch)} prompts; pass one or one per prompt")
         requests = [self._make_request(p, sp) for p, sp in zip(batch, params)]  # validate all first
         for r in requests:
-            self._requests[r.request_id] = r
-            self.scheduler.add(r)
+            self._enqueue(r)
         try:
             while any(not r.finished for r in requests):
                 self.step()
@@ -153,11 +151,14 @@ class LLM:
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Stream:
         request = self._make_request(prompt, params or SamplingParams())
-        self._requests[request.request_id] = request
-        self.scheduler.add(request)
+        self._enqueue(request)
         return Stream(self, request)
 
     # -- internals --------------------------------------------------------------------------
+
+    def _enqueue(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
 
     def _make_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         if not isinstance(params, SamplingParams):
@@ -187,6 +188,8 @@ class LLM:
                                "raise kv_cache_blocks / kv_cache_bytes or lower max_tokens")
         if request_id is None:
             request_id = f"req-{self._next_order}"
+            while request_id in self._requests:  # a caller may have picked this name
+                request_id += "+"
         elif request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use; pass a unique id")
         self._next_order += 1

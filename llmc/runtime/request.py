@@ -50,7 +50,6 @@ class Request:
         self.order = order  # arrival order: FCFS admission, newest is preempted first
         self.params = params
         self.token_ids = list(prompt_ids)
-        self.num_prompt_tokens = len(prompt_ids)
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0
