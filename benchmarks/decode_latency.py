@@ -10,21 +10,11 @@ hits both, and prints TTFT and TPOT medians with the llmc/HF ratio.
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-
-def build_engine(model: str, out: Path) -> tuple[float, float]:
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "llmc.cli", "build", model, "-o", str(out), "--overwrite"],
-                   check=True, stdout=subprocess.DEVNULL)
-    seconds = time.perf_counter() - start
-    return seconds, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
+from common import engine_for
 
 
 def run_llmc(llm, prompt_ids, new_tokens):
@@ -70,11 +60,7 @@ def main() -> None:
     from llmc.runtime.llm import LLM
 
     folder = materialize(args.model) if is_recipe(args.model) else Path(args.model)
-    build_s = build_rss = None
-    engine = args.engine
-    if engine is None:
-        engine = Path(tempfile.mkdtemp(prefix="llmc-bench-")) / "engine"
-        build_s, build_rss = build_engine(args.model, engine)
+    engine, build_s, build_rss = engine_for(args.model, args.engine)
 
     from transformers import AutoModelForCausalLM
 

@@ -26,7 +26,7 @@ import textwrap
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from types import TracebackType
-from typing import Any
+from typing import Any, Callable
 
 from llmc.errors import EngineError
 
@@ -182,6 +182,22 @@ def engine_file(engine_dir: str | Path, manifest: dict[str, Any], rel: str) -> P
     return path
 
 
+def read_json_object(path: Path, corrupt: Callable[[str], Exception],
+                     unreadable: Callable[[str], Exception]) -> dict[str, Any]:
+    """Parse the JSON object in `path`; raise corrupt(why) or unreadable(why), why being one line."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise corrupt(f"{e.msg} at line {e.lineno}") from None
+    except UnicodeDecodeError:
+        raise corrupt("not UTF-8 text") from None
+    except OSError as e:
+        raise unreadable(str(e.strerror)) from None
+    if not isinstance(data, dict):
+        raise corrupt(f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def load_manifest(engine_dir: str | Path, verify_checksums: bool = True) -> dict[str, Any]:
     """Read and validate an engine's manifest; raise EngineError naming the first problem."""
     root = Path(engine_dir).absolute()
@@ -194,17 +210,9 @@ def load_manifest(engine_dir: str | Path, verify_checksums: bool = True) -> dict
     if not mpath.is_file():
         raise EngineError(f"{root} is not an llmc engine (no {MANIFEST}); {_build_hint(root)}")
 
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise EngineError(f"engine {root}: corrupt manifest ({e.msg} at line {e.lineno}); {rebuild}") from None
-    except UnicodeDecodeError:
-        raise EngineError(f"engine {root}: corrupt manifest (not UTF-8 text); {rebuild}") from None
-    except OSError as e:
-        raise EngineError(f"engine {root}: cannot read {MANIFEST} ({e.strerror}); check its permissions") from None
-    if not isinstance(manifest, dict):
-        kind = type(manifest).__name__
-        raise EngineError(f"engine {root}: corrupt manifest (expected a JSON object, got {kind}); {rebuild}")
+    manifest = read_json_object(
+        mpath, corrupt=lambda why: EngineError(f"engine {root}: corrupt manifest ({why}); {rebuild}"),
+        unreadable=lambda why: EngineError(f"engine {root}: cannot read {MANIFEST} ({why}); check its permissions"))
 
     version = manifest.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool):

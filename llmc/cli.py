@@ -1,10 +1,11 @@
-"""`llmc` command line: build, run, inspect.
+"""`llmc` command line: build, run, bench, tune, inspect.
 
 User errors (LlmcError) print one line `error: ...` and exit 2, without a traceback.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -51,8 +52,9 @@ def main():
 @click.option("--dump-ir", type=click.Path(path_type=Path), default=None,
               help="Write the graph after each pass into this folder.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine at the output path.")
+@click.option("--explain", is_flag=True, help="List every rule that matched a candidate but did not fire, and why.")
 def build(model, output, dtype, block_size, max_context, disable_passes, list_passes, verify, all_logits,
-          dump_ir, overwrite):
+          dump_ir, overwrite, explain):
     """Compile MODEL (a recipe name, a local HF folder or a hub id) into an engine."""
     if list_passes:
         from llmc.passes import ALL_PASSES, REQUIRED_PASSES, make_passes
@@ -82,6 +84,10 @@ def build(model, output, dtype, block_size, max_context, disable_passes, list_pa
     total = sum(s.seconds for s in result.stages)
     console.print(f"engine written to [bold]{result.engine_dir}[/] in {total:.1f}s "
                   f"(peak RSS {result.peak_rss_mb:.0f} MB)")
+    if explain:
+        console.print(f"{len(result.misses)} near-misses" + (":" if result.misses else ""))
+        for name, why in result.misses:
+            console.print(f"  {name}: {why}", markup=False)
 
 
 @main.command()
@@ -95,14 +101,19 @@ def build(model, output, dtype, block_size, max_context, disable_passes, list_pa
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (for benchmarks).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
-def run(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, threads):
+@click.option("--no-tuning", is_flag=True, help="Ignore the engine's tuning.json (written by `llmc tune`).")
+def run(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, threads, no_tuning):
     """Stream a completion of PROMPT from ENGINE."""
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, stop=tuple(stop), ignore_eos=ignore_eos)
-    llm = LLM(engine, num_threads=threads)
+    llm = LLM(engine, num_threads=threads, use_tuning=not no_tuning)
+    if llm.tuning is not None:
+        from llmc.runtime.tuning import tuning_line
+
+        click.echo(tuning_line(llm.tuning), err=True)
     stream = llm.stream(prompt, params)
     click.echo(prompt, nl=False)
     for piece in stream:
@@ -116,9 +127,90 @@ def summary_line(output) -> str:
     m = output.metrics
     n = len(output.token_ids)
     tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot is not None else "n/a"
-    rate = f"{(n - 1) / (m.e2e - m.ttft):.1f} tok/s" if n > 1 and m.e2e > m.ttft else "n/a"
+    rate = f"{1 / m.tpot:.1f} tok/s" if m.tpot else "n/a"  # decode rate: one token per TPOT
     return (f"[{n} tokens, {output.finish_reason}] TTFT {m.ttft * 1e3:.1f} ms · TPOT {tpot} · "
             f"decode {rate} · E2E {m.e2e * 1e3:.1f} ms")
+
+
+def _workload_options(num_requests: int, prompt_len: str, output_len: str, qps: str, repeats: int):
+    """The workload flags `bench` and `tune` share; the command gets them as one WorkloadArgs."""
+    options = [
+        click.option("--num-requests", default=num_requests, show_default=True, help="Requests per run."),
+        click.option("--prompt-len", default=prompt_len, show_default=True,
+                     help="Prompt tokens: N, LO-HI (uniform) or normal:MEAN:STD."),
+        click.option("--output-len", default=output_len, show_default=True,
+                     help="Output tokens (EOS is ignored): N, LO-HI or normal:MEAN:STD."),
+        click.option("--shared-prefix", default=0, show_default=True,
+                     help="Tokens of a shared prefix (system prompt) every prompt starts with."),
+        click.option("--num-prefixes", default=1, show_default=True, help="Distinct shared prefixes, round robin."),
+        click.option("--qps", default=qps, show_default=True,
+                     help="Poisson arrival rate in requests/s, a sweep like 1,4,max, or max (all at once)."),
+        click.option("--max-concurrency", type=int, default=None, help="Most requests in flight (client side)."),
+        click.option("--seed", default=0, show_default=True, help="Seeds lengths, prompt tokens and arrivals."),
+        click.option("--warmup", default=4, show_default=True, help="Unmeasured warm-up requests per engine."),
+        click.option("--repeats", default=repeats, show_default=True, help="Measured runs per rate (per trial)."),
+        click.option("--slo", default=None, help="SLOs for goodput, e.g. ttft=500ms,tpot=50ms (ttft, tpot, itl, e2e)."),
+    ]
+
+    def decorate(command):
+        @functools.wraps(command)  # keeps the options declared below this decorator
+        def with_workload(**kwargs):
+            from llmc.bench.commands import WorkloadArgs
+
+            fields = WorkloadArgs.__dataclass_fields__
+            args = WorkloadArgs(**{k: kwargs.pop(k) for k in list(kwargs) if k in fields})
+            return command(workload=args, **kwargs)
+
+        for option in reversed(options):
+            with_workload = option(with_workload)
+        return with_workload
+
+    return decorate
+
+
+@main.command()
+@click.argument("engines", nargs=-1, required=True, type=click.Path(path_type=Path))
+@_workload_options(num_requests=32, prompt_len="128", output_len="64", qps="max", repeats=1)
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Folder for report.json, report.md and the plots [default: bench-<engine>].")
+@click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
+@click.option("--threads", type=int, default=None,
+              help="ONNX Runtime intra-op threads [default: tuning.json, else cores].")
+@click.option("--max-num-seqs", type=int, default=None,
+              help="Requests running at once [default: tuning.json, else 16].")
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="Tokens per step [default: tuning.json, else 512].")
+@click.option("--chunk-size", type=int, default=None,
+              help="Longest prefill chunk per request per step [default: tuning.json, else 256].")
+@click.option("--no-tuning", is_flag=True, help="Ignore the engines' tuning.json.")
+def bench(engines, workload, output, no_plots, threads, max_num_seqs, max_num_batched_tokens, chunk_size, no_tuning):
+    """Measure TTFT, TPOT, ITL, E2E, throughput and goodput of ENGINE, or of two engines side by side
+    (runs interleaved); writes report.json, report.md and PNG plots."""
+    from llmc.bench.commands import bench as run_bench
+
+    runtime = dict(num_threads=threads, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                   chunk_size=chunk_size)
+    run_bench(list(engines), workload, output, not no_plots, runtime, use_tuning=not no_tuning)
+
+
+@main.command()
+@click.argument("engine", type=click.Path(path_type=Path))
+@_workload_options(num_requests=16, prompt_len="128", output_len="32", qps="max", repeats=3)
+@click.option("--objective", default="max-throughput", show_default=True,
+              help="min-tpot-p99, max-throughput or max-goodput (needs --slo).")
+@click.option("--budget", default="10m", show_default=True, help="Time to spend, e.g. 90s, 10m, 1h.")
+@click.option("--build-knobs", is_flag=True,
+              help="Also search block size and optional passes, building engine variants into the output folder.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Workspace: trial state (for resuming), tuning_report.md, plot [default: tune-<engine>].")
+@click.option("--fresh", is_flag=True, help="Forget the trials of an earlier run in the output folder.")
+@click.option("--no-plots", is_flag=True, help="Skip the PNG plot (no matplotlib needed).")
+def tune(engine, workload, objective, budget, build_knobs, output, fresh, no_plots):
+    """Search runtime knobs (and with --build-knobs, build knobs) of ENGINE for an objective within a
+    time budget; writes the winner to ENGINE/tuning.json, which the runtime then applies."""
+    from llmc.bench.commands import tune as run_tune
+
+    run_tune(engine, workload, output, not no_plots, objective, budget, build_knobs, fresh)
 
 
 @main.command()

@@ -3,7 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from llmc.runtime.metrics import RequestTimes, percentiles, summarize_requests
+from llmc.runtime.metrics import (RequestTimes, good_requests, goodput, meets_slo, percentiles, slo_violations,
+                                  summarize_requests, summarize_run, throughput)
 
 
 def _times(arrival, tokens, scheduled=None):
@@ -99,3 +100,78 @@ def test_summarize_empty():
     s = summarize_requests([])
     assert s["counts"]["requests"] == 0
     assert s["ttft"] == {} and s["itl"] == {}
+
+
+# -- rates and SLOs: hand-computed answers --------------------------------------------------
+
+def _mixed_slo_requests():
+    return [
+        _times(0.0, [0.2, 0.3, 0.4]),  # ttft 0.2, tpot 0.1, gaps 0.1, 0.1: meets both SLOs
+        _times(0.0, [0.8, 0.85]),  # ttft 0.8 > 0.5: misses TTFT
+        _times(1.0, [1.3]),  # one token: ttft 0.3, no TPOT to miss: meets
+        _times(1.0, [1.1, 1.4, 1.45]),  # tpot (1.45 - 1.1) / 2 = 0.175 > 0.15: misses TPOT
+        RequestTimes(arrival=1.5),  # never produced a token: misses everything
+    ]
+
+
+def test_slo_violations_per_request():
+    slo = {"ttft": 0.5, "tpot": 0.15}
+    got = [slo_violations(r, slo) for r in _mixed_slo_requests()]
+    assert got == [[], ["ttft"], [], ["tpot"], ["ttft", "tpot"]]
+
+
+def test_one_token_output_cannot_miss_tpot_or_itl():
+    one = _times(0.0, [0.4])
+    assert one.tpot is None
+    assert meets_slo(one, {"tpot": 0.001, "itl": 0.001})
+    assert not meets_slo(one, {"ttft": 0.3})
+    assert not meets_slo(one, {"e2e": 0.3})
+
+
+def test_itl_slo_bounds_every_gap():
+    r = _times(0.0, [0.1, 0.2, 0.5, 0.6])  # gaps 0.1, 0.3, 0.1: mean 0.167 but one gap of 0.3
+    assert r.tpot == pytest.approx(0.5 / 3)
+    assert meets_slo(r, {"tpot": 0.2})
+    assert slo_violations(r, {"itl": 0.2}) == ["itl"]
+    assert meets_slo(r, {"itl": 0.3})  # the limit itself is met
+
+
+def test_unknown_slo_metric():
+    with pytest.raises(ValueError, match="unknown SLO metric 'latency'"):
+        slo_violations(_times(0.0, [1.0]), {"latency": 1.0})
+
+
+def test_goodput_with_mixed_slo_results():
+    reqs = _mixed_slo_requests()
+    slo = {"ttft": 0.5, "tpot": 0.15}
+    # Requests 0 and 2 meet both SLOs: 2 requests over 4 s of wall time.
+    assert goodput(reqs, slo, wall_time=4.0) == pytest.approx(0.5)
+    assert good_requests(reqs, slo) == [True, False, True, False, False]
+    # A request that met its SLOs but was aborted does not count.
+    assert goodput(reqs, slo, 4.0, completed=[True, True, False, True, False]) == pytest.approx(0.25)
+    assert goodput(reqs, {}, 4.0) == pytest.approx(1.0)  # no SLO: every request with a token
+
+
+def test_throughput_is_output_tokens_over_wall_time():
+    reqs = _mixed_slo_requests()  # 3 + 2 + 1 + 3 + 0 = 9 tokens
+    assert throughput(reqs, 3.0) == pytest.approx(3.0)
+
+
+def test_summarize_run_adds_rates_and_attainment():
+    reqs = _mixed_slo_requests()
+    s = summarize_run(reqs, 4.0, {"ttft": 0.5, "tpot": 0.15}, completed=[True, True, True, True, False])
+    assert s["counts"]["completed"] == 4 and s["counts"]["output_tokens"] == 9
+    assert s["wall_time"] == 4.0
+    assert s["throughput"] == pytest.approx(9 / 4)
+    assert s["request_throughput"] == pytest.approx(4 / 4)
+    assert s["goodput"] == pytest.approx(2 / 4)
+    assert s["slo_attainment"] == pytest.approx(2 / 5)  # share of all requests, failed ones included
+    # TPOT over the three requests that define it: 0.1, 0.05, 0.175 -> median 0.1.
+    assert s["tpot"]["p50"] == pytest.approx(0.1)
+    # ITL over all 5 gaps (0.1, 0.1, 0.05, 0.3, 0.05): sorted 0.05 0.05 0.1 0.1 0.3, p90 at rank 3.6.
+    assert s["itl"]["p50"] == pytest.approx(0.1)
+    assert s["itl"]["p90"] == pytest.approx(0.1 + 0.6 * 0.2)
+    assert "goodput" not in summarize_run(reqs, 4.0)
+    json.dumps(s)
+    with pytest.raises(ValueError, match="wall_time"):
+        summarize_run(reqs, 0.0)

@@ -14,6 +14,9 @@ EXPECTED_COUNTS = {
     "paged-kv-cache": {"paged_attention": 2},
     "last-token-logits": {"lm_head_last_token": 1},
     "ort-lower": {"paged_attention_lowered": 2},
+    "merge-matmuls": {"qkv_merge": 2, "gate_up_merge": 2},
+    "ort-fusions": {"skip_rmsnorm": 4, "swiglu": 2},
+    "simplify-layout": {"rope_3d": 4, "transpose_pair": 4, "reshape_chain": 4},
 }
 
 

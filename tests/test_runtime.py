@@ -91,7 +91,8 @@ def test_cache_writes_land_in_place(llm):
 
 def test_runtime_imports_stay_lean():
     code = ("import sys, llmc; from llmc.runtime.llm import LLM; "
-            "bad = [m for m in ('torch', 'transformers', 'llmc.compiler', 'llmc.passes', 'onnx') if m in sys.modules]; "
+            "bad = [m for m in ('torch', 'transformers', 'llmc.compiler', 'llmc.passes', 'onnx', 'llmc.bench', "
+            "'matplotlib') if m in sys.modules]; "
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""

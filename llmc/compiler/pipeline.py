@@ -64,6 +64,7 @@ class BuildResult:
     engine_dir: Path
     stages: list[StageRecord] = field(default_factory=list)
     peak_rss_mb: float = 0.0
+    misses: list[tuple[str, str]] = field(default_factory=list)  # (pass, why a rule did not fire)
 
 
 Progress = Callable[[str, str, bool], None]  # (stage, message, finished)
@@ -172,7 +173,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             "payload": {"model": MODEL_FILE, "weights": WEIGHTS_FILE},
             "tokenizer": f"{TOKENIZER_DIR}/tokenizer.json",
         })
-    return BuildResult(output, stages, peak_rss_mb())
+    return BuildResult(output, stages, peak_rss_mb(), [(r.name, m) for r in records for m in r.misses])
 
 
 def _counts_text(counts: dict[str, int]) -> str:

@@ -11,15 +11,22 @@ __all__ = ["BuildContext", "Pass", "PassManager", "PassRecord", "PassResult", "R
 def _registry() -> dict[str, type[Pass]]:
     from llmc.passes.cleanup import Cleanup
     from llmc.passes.last_token import LastTokenLogits
+    from llmc.passes.layout import SimplifyLayout
+    from llmc.passes.merge_matmuls import MergeMatMuls
     from llmc.passes.native_gqa import NativeGQA
+    from llmc.passes.ort_fusions import ORTFusions
     from llmc.passes.ort_lower import LowerPagedAttentionORT
     from llmc.passes.paged_kv import PagedKVCache
 
-    return {p.name: p for p in (Cleanup, NativeGQA, PagedKVCache, LastTokenLogits, LowerPagedAttentionORT)}
+    return {p.name: p for p in (Cleanup, NativeGQA, MergeMatMuls, PagedKVCache, LastTokenLogits,
+                                LowerPagedAttentionORT, ORTFusions, SimplifyLayout)}
 
 
-# In pipeline order. The runtime contract needs the paged rewrite and a backend lowering.
-ALL_PASSES = ("cleanup", "native-gqa", "paged-kv-cache", "last-token-logits", "ort-lower")
+# In pipeline order, in phases: canonicalize, fuse, rewrite the KV-cache I/O, lower for the
+# backend, fuse into the backend's kernels. The runtime contract needs the paged rewrite and a
+# backend lowering.
+ALL_PASSES = ("cleanup", "native-gqa", "merge-matmuls", "paged-kv-cache", "last-token-logits", "ort-lower",
+              "ort-fusions", "simplify-layout")
 REQUIRED_PASSES = ("paged-kv-cache", "ort-lower")
 
 

@@ -86,9 +86,12 @@ class RewriteRule:
 
 
 class RulePass(Pass):
-    """Applies its rules to every node once, in graph order; counts hits per rule."""
+    """Applies its rules to every node in graph order; counts hits per rule. With `fixed_point`,
+    sweeps again while a sweep changed something (one rewrite can expose the next)."""
 
     rules: tuple[RewriteRule, ...] = ()
+    fixed_point: bool = False
+    max_sweeps: int = 8
 
     def prepare(self, model: ir.Model, ctx: BuildContext) -> None:
         """Hook run before matching (e.g. to add graph inputs the rewrites will use)."""
@@ -98,10 +101,20 @@ class RulePass(Pass):
 
     def run(self, model: ir.Model, ctx: BuildContext) -> PassResult:
         counts: Counter = Counter()
-        misses: list[str] = []
         self.prepare(model, ctx)
+        for _ in range(self.max_sweeps if self.fixed_point else 1):
+            hits, misses = self._sweep(model, ctx)
+            counts.update(hits)
+            if not hits:
+                break
+        self.finish(model, ctx, counts)
+        return PassResult(any(counts.values()), dict(counts), misses)
+
+    def _sweep(self, model: ir.Model, ctx: BuildContext) -> tuple[Counter, list[str]]:
+        hits: Counter = Counter()
+        misses: list[str] = []
         for node in list(model.graph):
-            if node.graph is None:  # removed by an earlier rewrite in this pass
+            if node.graph is None:  # removed by an earlier rewrite in this sweep
                 continue
             for rule in self.rules:
                 m = rule.match(node, ctx)
@@ -112,10 +125,9 @@ class RulePass(Pass):
                     misses.append(f"{rule.name} at {node.name}: {reason}")
                     continue
                 rule.rewrite(m, ctx, model)
-                counts[rule.name] += 1
+                hits[rule.name] += 1
                 break
-        self.finish(model, ctx, counts)
-        return PassResult(any(counts.values()), dict(counts), misses)
+        return hits, misses
 
 
 def graph_input(graph: ir.Graph, name: str) -> ir.Value | None:
@@ -144,6 +156,13 @@ def const_ints(value: ir.Value | None) -> list[int] | None:
     if tensor is None:
         return None
     return [int(x) for x in tensor.numpy().reshape(-1)]
+
+
+def weight(value: ir.Value | None):
+    """The numpy contents of a constant initializer (a weight), or None."""
+    if value is None or value.const_value is None or not value.is_initializer():
+        return None
+    return value.const_value.numpy()
 
 
 def count_nodes(model: ir.Model) -> int:

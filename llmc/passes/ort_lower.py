@@ -39,20 +39,22 @@ class LowerPagedAttentionORT(Pass):
         seq = meta_ops.Slice(ids_shape, meta_ops.const([1]), meta_ops.const([2]))
         block_size = meta_ops.const([ctx.block_size])
         kv_width = meta_ops.const([ctx.spec.num_kv_heads * ctx.spec.head_dim])
+        heads = meta_ops.const([ctx.spec.num_heads])
         metas: dict[int, pa.StepMetadata] = {}
         for node in nodes:  # one metadata set per distinct window (usually one for the model)
             window = int(_attr(node, "sliding_window"))
             if window not in metas:
                 metas[window] = pa.emit_step_metadata(
                     meta_ops, graph_input(graph, PAST_LENS), graph_input(graph, QUERY_LENS),
-                    graph_input(graph, BLOCK_TABLES), batch, seq, block_size, meta_ops.const(window))
+                    graph_input(graph, BLOCK_TABLES), batch, seq, block_size, meta_ops.const(window), heads,
+                    kv_width)
         graph.insert_before(nodes[0], meta_ops.nodes)
 
         for i, node in enumerate(nodes):
             ops = OpBuilder(name_prefix=f"{node.name}_")
             q, k, v, cache = node.inputs[:4]
             output, cache_out = pa.emit_layer_attention(
-                ops, q, k, v, cache, metas[int(_attr(node, "sliding_window"))], kv_width,
+                ops, q, k, v, cache, metas[int(_attr(node, "sliding_window"))],
                 num_heads=int(_attr(node, "num_heads")), num_kv_heads=int(_attr(node, "num_kv_heads")),
                 scale=float(_attr(node, "scale")), softcap=float(_attr(node, "softcap")))
             graph.insert_before(node, ops.nodes)

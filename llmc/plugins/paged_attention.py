@@ -71,11 +71,15 @@ class StepMetadata:
     write_index: object  # [2, B, S, 3] (kv, block, offset) for the ScatterND write
     read_index: tuple  # ([B, M, 2], [B, M, 2]) (kv, block) for the K and V GatherND reads
     mask: object  # [B, 1, S, T] bool: causal, and within the sliding window if any
+    kv_rows: object  # shape [0, -1, Hkv*D]: gathered blocks [B, M, bs, Hkv, D] as [B, T, Hkv*D]
+    q_rows: object  # shape [B, S, -1]: [B, S, Hq, D] as [B, S, Hq*D]
+    out_heads: object  # shape [B, S, Hq, -1]: the attention output split into heads again
 
 
-def emit_step_metadata(ops, past_lens, query_lens, block_tables, batch, seq, block_size, window) -> StepMetadata:
-    """Slots and mask of one step. `batch`, `seq`, `block_size` are 1-element int64 values and
-    `window` a scalar int64 value (0 = no window)."""
+def emit_step_metadata(ops, past_lens, query_lens, block_tables, batch, seq, block_size, window, heads,
+                       kv_width) -> StepMetadata:
+    """Slots, mask and reshape targets of one step. `batch`, `seq`, `block_size`, `heads` (Hq)
+    and `kv_width` (Hkv*D) are 1-element int64 values and `window` a scalar (0 = no window)."""
     import onnx_ir as ir
 
     const, i64 = ops.const, ir.DataType.INT64
@@ -103,11 +107,14 @@ def emit_step_metadata(ops, past_lens, query_lens, block_tables, batch, seq, blo
     pos3, t3 = ops.Unsqueeze(pos, minus_one), ops.Unsqueeze(t, const([0, 1]))
     lowest = ops.Where(ops.Greater(window, const(0)), ops.Sub(pos3, window), const(-1))
     mask = ops.Unsqueeze(ops.And(ops.LessOrEqual(t3, pos3), ops.Greater(t3, lowest)), one)
-    return StepMetadata(write_index, read_index, mask)
+    # Explicit dims with allowzero=1 rather than 0-copies, so a later reshape of these reshapes
+    # provably does not depend on them and may skip them.
+    return StepMetadata(write_index, read_index, mask, kv_rows=ops.Concat(const([0, -1]), kv_width, axis=0),
+                        q_rows=ops.Concat(batch, seq, minus_one, axis=0),
+                        out_heads=ops.Concat(batch, seq, heads, minus_one, axis=0))
 
 
-def emit_layer_attention(ops, q, k, v, cache, meta: StepMetadata, kv_width, *, num_heads, num_kv_heads,
-                         scale, softcap):
+def emit_layer_attention(ops, q, k, v, cache, meta: StepMetadata, *, num_heads, num_kv_heads, scale, softcap):
     """One layer: write the new K/V in place, read the row's blocks, attend. Returns
     (output [B, Hq, S, D], updated cache). Attribute arguments may be RefAttrs (in the function)."""
     const, perm = ops.const, (0, 2, 1, 3)
@@ -116,13 +123,11 @@ def emit_layer_attention(ops, q, k, v, cache, meta: StepMetadata, kv_width, *, n
     new_kv = ops.Concat(ops.Unsqueeze(ops.Transpose(k, perm=perm), const([0])),
                         ops.Unsqueeze(ops.Transpose(v, perm=perm), const([0])), axis=0)
     cache_out = ops.ScatterND(cache, meta.write_index, new_kv)
-    flat = ops.Concat(const([0, -1]), kv_width, axis=0)  # [B, M, bs, Hkv, D] -> [B, T, Hkv*D]
-    keys, values = (ops.Reshape(ops.GatherND(cache_out, idx), flat) for idx in meta.read_index)
-    q3 = ops.Reshape(ops.Transpose(q, perm=perm), const([0, 0, -1]))
+    keys, values = (ops.Reshape(ops.GatherND(cache_out, idx), meta.kv_rows) for idx in meta.read_index)
+    q3 = ops.Reshape(ops.Transpose(q, perm=perm), meta.q_rows, allowzero=1)
     y3 = ops.Attention(q3, keys, values, meta.mask, q_num_heads=num_heads, kv_num_heads=num_kv_heads,
                        scale=scale, softcap=softcap)
-    heads = ops.Slice(ops.Shape(q), const([1]), const([2]))
-    y4 = ops.Reshape(y3, ops.Concat(const([0, 0]), heads, const([-1]), axis=0))
+    y4 = ops.Reshape(y3, meta.out_heads, allowzero=1)
     return ops.Transpose(y4, perm=perm), cache_out
 
 
@@ -148,10 +153,10 @@ def build_function():
 
     window = ops.Constant(value_int=ref("sliding_window", INT))
     meta = emit_step_metadata(ops, past_lens, query_lens, block_tables, dim(q_shape, 0), dim(q_shape, 2),
-                              dim(cache_shape_, 2), window)
-    kv_width = ops.Mul(dim(cache_shape_, 3), dim(cache_shape_, 4))
+                              dim(cache_shape_, 2), window, dim(q_shape, 1),
+                              ops.Mul(dim(cache_shape_, 3), dim(cache_shape_, 4)))
     output, cache_out = emit_layer_attention(
-        ops, q, k, v, cache, meta, kv_width, num_heads=ref("num_heads", INT),
+        ops, q, k, v, cache, meta, num_heads=ref("num_heads", INT),
         num_kv_heads=ref("num_kv_heads", INT), scale=ref("scale", FLOAT), softcap=ref("softcap", FLOAT))
     fn_graph.outputs.extend([output, cache_out])
     output.name, cache_out.name = OUTPUTS

@@ -18,6 +18,7 @@ from llmc.spec import ModelSpec
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 BACKENDS = ("onnxruntime",)
+GRAPH_OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")  # ORT's, by our short names
 
 
 def _import_ort():
@@ -32,7 +33,11 @@ def _import_ort():
 class Engine:
     def __init__(self, engine_dir: str | Path, *, num_threads: int | None = None,
                  kv_cache_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                 allow_spinning: bool = True, verify_checksums: bool = True):
+                 allow_spinning: bool = True, graph_optimization_level: str = "all",
+                 verify_checksums: bool = True):
+        if graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
+            raise LlmcError(f"graph_optimization_level must be one of {', '.join(GRAPH_OPTIMIZATION_LEVELS)} "
+                            f"(got {graph_optimization_level!r})")
         self.dir = Path(engine_dir)
         self.manifest = manifest = load_manifest(self.dir, verify_checksums=verify_checksums)
         backend = manifest["backend"]
@@ -57,7 +62,12 @@ class Engine:
         opts.intra_op_num_threads = num_threads or _physical_cores()
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.graph_optimization_level = {
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        }[graph_optimization_level]
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
         opts.log_severity_level = 3
         try:
@@ -66,6 +76,8 @@ class Engine:
             raise EngineError(f"ONNX Runtime cannot load {model_path} ({first_line(exc)}); "
                               "rebuild the engine with this llmc version") from None
         self.num_threads = opts.intra_op_num_threads
+        self.allow_spinning = allow_spinning
+        self.graph_optimization_level = graph_optimization_level
 
         self.num_blocks = self._pool_blocks(kv_cache_blocks, kv_cache_bytes)
         shape = (2, self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)

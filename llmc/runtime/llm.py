@@ -20,8 +20,11 @@ from llmc.runtime.kv_cache import BlockManager, blocks_for
 from llmc.runtime.request import Request, RequestOutput, Status
 from llmc.runtime.sampling import Sampler, SamplingParams
 from llmc.runtime.scheduler import Scheduler, SchedulerConfig
+from llmc.runtime.tuning import load_tuning, merge_tuning
 
-ENGINE_OPTIONS = ("num_threads", "kv_cache_blocks", "kv_cache_bytes", "allow_spinning", "verify_checksums")
+SCHEDULER_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "enable_prefix_caching")
+ENGINE_OPTIONS = ("num_threads", "kv_cache_blocks", "kv_cache_bytes", "allow_spinning", "graph_optimization_level",
+                  "verify_checksums")
 
 __all__ = ["LLM", "RequestOutput", "Stream"]
 
@@ -42,17 +45,26 @@ class Stream:
 
 
 class LLM:
-    def __init__(self, engine_dir: str | Path, *, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 chunk_size: int = 256, enable_prefix_caching: bool = True, **engine_options):
+    def __init__(self, engine_dir: str | Path, *, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
+                 enable_prefix_caching: bool | None = None, use_tuning: bool = True, **engine_options):
+        """An option left at None takes the value in the engine's tuning.json (unless use_tuning is
+        False), else its default: max_num_seqs 16, max_num_batched_tokens 512, chunk_size 256."""
         from tokenizers import Tokenizer
 
         unknown = set(engine_options) - set(ENGINE_OPTIONS)
         if unknown:
-            raise LlmcError(f"unknown option {sorted(unknown)[0]!r}; options are: max_num_seqs, "
-                            f"max_num_batched_tokens, chunk_size, enable_prefix_caching, {', '.join(ENGINE_OPTIONS)}")
-        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunk_size, enable_prefix_caching)
-        self.engine = Engine(engine_dir, **engine_options)
-        self.blocks = BlockManager(self.engine.num_blocks, self.engine.block_size, enable_prefix_caching)
+            raise LlmcError(f"unknown option {sorted(unknown)[0]!r}; options are: "
+                            f"{', '.join(SCHEDULER_OPTIONS + ENGINE_OPTIONS)}")
+        explicit = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        chunk_size=chunk_size, enable_prefix_caching=enable_prefix_caching, **engine_options)
+        # The tuned options that took effect (None: no tuning.json, or use_tuning=False).
+        tuned = load_tuning(engine_dir) if use_tuning else None
+        options, applied = merge_tuning(explicit, tuned)
+        self.tuning = applied if tuned is not None else None
+        config = SchedulerConfig(**{k: options.pop(k) for k in SCHEDULER_OPTIONS if k in options})
+        self.engine = Engine(engine_dir, **options)
+        self.blocks = BlockManager(self.engine.num_blocks, self.engine.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         manifest = self.engine.manifest
         self.tokenizer = Tokenizer.from_file(str(self.engine.dir / manifest["tokenizer"]))
@@ -80,9 +92,13 @@ class LLM:
     # -- request lifecycle ------------------------------------------------------------------
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request; it joins the running batch at the next step."""
-        request = self._make_request(prompt, params or SamplingParams(), request_id)
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate and queue a request; it joins the running batch at the next step.
+
+        `arrival_time` (a `time.perf_counter()` value, default now) is when the request reached
+        the server: a driver that only adds requests between steps passes the real arrival so
+        TTFT includes the wait for the running step."""
+        request = self._make_request(prompt, params or SamplingParams(), request_id, arrival_time)
         self._enqueue(request)
         return request.request_id
 
@@ -160,7 +176,8 @@ class LLM:
         self._requests[request.request_id] = request
         self.scheduler.add(request)
 
-    def _make_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+    def _make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                      arrival_time: float | None = None) -> Request:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
@@ -193,7 +210,8 @@ class LLM:
         elif request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use; pass a unique id")
         self._next_order += 1
-        return Request(str(request_id), self._next_order, text, ids, params, self.tokenizer, self.eos_ids)
+        return Request(str(request_id), self._next_order, text, ids, params, self.tokenizer, self.eos_ids,
+                       arrival_time)
 
     def _deltas(self, request: Request) -> Iterator[str]:
         try:
@@ -224,7 +242,8 @@ class LLM:
         if not done:
             return []
         sampled = [rows[i][0] for i in done]
-        tokens = self.sampler.sample(logits[done], [r.params for r in sampled], [r.rng for r in sampled])
+        picked = logits if len(done) == len(rows) else logits[done]  # decode steps: every row, no copy
+        tokens = self.sampler.sample(picked, [r.params for r in sampled], [r.rng for r in sampled])
         now = time.perf_counter()
         for r, token in zip(sampled, tokens):
             r.append(int(token), now, self.max_context)

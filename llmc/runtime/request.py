@@ -45,7 +45,7 @@ class RequestOutput:
 
 class Request:
     def __init__(self, request_id: str, order: int, prompt: str | None, prompt_ids: list[int],
-                 params: SamplingParams, tokenizer, eos_ids: frozenset[int]):
+                 params: SamplingParams, tokenizer, eos_ids: frozenset[int], arrival: float | None = None):
         self.request_id = request_id
         self.order = order  # arrival order: FCFS admission, newest is preempted first
         self.params = params
@@ -58,7 +58,7 @@ class Request:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         self.out = RequestOutput(request_id, prompt, list(prompt_ids),
-                                 metrics=RequestTimes(arrival=time.perf_counter()))
+                                 metrics=RequestTimes(arrival=time.perf_counter() if arrival is None else arrival))
         self._emitted = 0  # characters of text already streamed
         self._admitted = False
 

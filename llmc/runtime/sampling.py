@@ -185,6 +185,8 @@ class Sampler:
 
         out = np.empty(batch, dtype=np.int64)
         greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=batch)
+        if greedy.all():  # the common serving case: no [B, V] copy
+            return np.argmax(logits, axis=-1).astype(np.int64, copy=False)
         if greedy.any():
             out[greedy] = np.argmax(logits[greedy], axis=-1)
 

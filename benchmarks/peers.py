@@ -1,0 +1,674 @@
+"""Peer comparison: llmc against llama.cpp and ONNX Runtime GenAI on the same model, in one run.
+
+    python benchmarks/peers.py --setup                  # peers' venv + conversions, then exit
+    python benchmarks/peers.py [--reps 5] [--no-fusions] [--ablate] [--llmc NAME=ENGINE_DIR ...] [--json OUT]
+
+Peers. llama.cpp through llama-cpp-python, built here from its source distribution for this CPU,
+and onnxruntime-genai. Both live in their own virtual environment outside the repo (default
+$LLMC_CACHE/peers-venv, i.e. ~/.cache/llmc/peers-venv), never as llmc dependencies. Both convert
+the very HF folder llmc builds from (llmc.compiler.recipes.materialize), so all run the same
+weights: llama.cpp with the convert_hf_to_gguf.py shipped inside the sdist (f32 GGUF), ORT GenAI
+with `python -m onnxruntime_genai.models.builder` (fp32, cpu). Each peer gets its best honest
+configuration: llama.cpp built with GGML_NATIVE (AVX-512 here), OpenMP and the llamafile sgemm,
+the converter's --fuse-qkv, its default f16 KV cache (f32 KV measured ~30% slower at batch 8; the
+weights and math stay f32; --llama-kv-type f32 to compare); ORT GenAI with its builder's
+prune_lm_head (prefill computes only the last token's logits, as llmc does) and fuse_mlp_gate_up.
+Conversions are cached per recipe folder.
+
+Interleaving. Every runtime lives in its own long-lived worker process (benchmarks/peers_worker.py;
+llmc in the repo's venv, peers in theirs), loaded once. The driver loops over repetitions and, in
+each, asks every worker in turn for one measurement (the order rotates per repetition), with a
+short pause between calls so no idle thread pool still spins, so machine noise hits all alike.
+Numbers are medians over repetitions, with [min..max].
+
+Metrics, defined as llmc.runtime.metrics defines them, 2 threads for everyone:
+  TTFT  batch 1: request start -> first generated token (prefill of a 128-token prompt of random
+        ids + the first greedy pick). The start is add_request for llmc, making the generator for
+        ORT GenAI (its per-request object), clearing the KV cache for llama.cpp.
+  TPOT  batch 1, same request: (last token time - first token time) / (128 - 1), greedy, no early
+        stop (ignore_eos; ORT GenAI: min_length = max_length).
+  b8    batch 8: 8 sequences with distinct 128-token prompts are prefilled (untimed), then 127
+        decode steps in which all 8 decode together are timed: 8 * 127 / seconds. llmc: 8
+        concurrent requests; llama.cpp: its batch API with 8 sequence ids; ORT GenAI: a batch of 8.
+
+Roofline. Bandwidth is measured in the same run by a worker of its own, before every measurement:
+2 OpenMP threads each sum their half of a 1 GiB float32 buffer (32x the L3) with a small C kernel
+compiled here for this CPU (AVX-512 loads into 4 accumulators, so memory is the limit); best of 3
+passes, the rate memory can deliver (as STREAM reports). numpy's np.max, the fallback without a C
+compiler, reads ~10% slower here, and llama.cpp's decode was seen to beat a roofline built on it,
+so the compiled kernel is preferred. Bandwidth on this shared VM moves with the neighbours
+(28-66 GB/s seen in one session), which is why it is measured next to every measurement.
+Roofline TPOT = (weight bytes read per token + KV bytes read per token) / bandwidth, where
+weights are every tensor in the safetensors (the tied embedding is read whole as the LM head) and
+KV is 2 x layers x kv_heads x head_dim x 4 bytes x the mean attended length over the timed tokens
+(prompt + new/2). The batch-8 roofline reads the weights once and 8 sequences' KV per step.
+"% roofline" = roofline TPOT / TPOT, per repetition against the bandwidth measured just before
+that runtime's batch-1 run (bandwidth here moves within seconds), then the median.
+
+Contention. Other processes on the machine distort everything, llama.cpp most (its threads spin at
+a barrier after every op, so one preempted thread stalls the other: TPOT 60x worse was seen). The
+run reads /proc to report how much CPU everything except its own processes used per repetition.
+
+Same model. Before timing, each runtime's greedy continuation of a short prompt is compared with
+the first llmc engine's; peers are also teacher-forced along llmc's tokens and their top-1 checked
+at every position. A runtime that disagrees is flagged in the table and left out of "best peer".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKER = HERE / "peers_worker.py"
+
+LLAMA_CPP_PYTHON = "0.3.36"
+ORT_GENAI = "0.18.0"
+TORCH = "2.13.0"  # this pin resolves to a local CPU wheel; any other pulls GBs of CUDA
+# GGML_NATIVE: -march=native, i.e. this CPU's AVX-512 kernels. OpenMP is llama.cpp's default thread
+# pool on Linux and the llamafile sgemm (on by default) covers f32 prompt matmuls, so no BLAS.
+# Everything not needed to run a model from Python is off, to keep a 2-core build short.
+CMAKE_ARGS = ("-DGGML_NATIVE=ON -DGGML_OPENMP=ON -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF "
+              "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
+              "-DLLAMA_BUILD_SERVER=OFF")
+# The converters read this folder's config.json, written by transformers 5 (rope_parameters);
+# transformers 4 would silently fall back to the default RoPE base.
+PEER_PACKAGES = (f"torch=={TORCH}", "transformers>=5,<6", f"onnxruntime-genai=={ORT_GENAI}", "onnx",
+                 "onnx-ir", "sentencepiece", "protobuf", "numpy", "safetensors", "tqdm", "pyyaml", "requests")
+GGUF_FLAGS = ("--fuse-qkv",)
+ORT_GENAI_OPTIONS = ("prune_lm_head=true", "fuse_mlp_gate_up=true")
+PEERS = ("llama.cpp", "ort-genai")
+PAUSE_S = 0.3  # lets the previous worker's spinning threads park before the next one runs
+
+
+class SetupError(Exception):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LLMC_CACHE") or Path.home() / ".cache" / "llmc").expanduser()
+
+
+# -- setup ----------------------------------------------------------------------------------------
+
+
+def _run(step: str, cmd: list, log: Path, fix: str, env: dict | None = None, cwd: Path | None = None) -> None:
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(map(str, cmd))}\n")
+        f.flush()
+        rc = subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
+    if rc != 0:
+        raise SetupError(f"setup step '{step}' failed (exit {rc}); log: {log}; {fix}")
+
+
+def _peer_env() -> dict:
+    # The peers' interpreter must see nothing of the repo's venv.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+def _stamp(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def setup_venv(venv: Path, root: Path, log: Path) -> Path:
+    """The peers' venv with llama-cpp-python built from source and onnxruntime-genai; idempotent."""
+    python = venv / "bin" / "python"
+    want = {"llama_cpp_python": LLAMA_CPP_PYTHON, "onnxruntime_genai": ORT_GENAI, "torch": TORCH,
+            "cmake_args": CMAKE_ARGS, "packages": list(PEER_PACKAGES)}
+    src = root / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
+    stamp = venv / ".llmc-peers.json"
+    if _stamp(stamp) == want and python.is_file() and (src / "vendor" / "llama.cpp").is_dir():
+        return python
+    env = _peer_env()
+    if not python.is_file():
+        print(f"setup: creating the peers' venv {venv}", flush=True)
+        base = getattr(sys, "_base_executable", sys.executable)
+        _run("venv", [base, "-m", "venv", venv], log,
+             f"check that `{base} -m venv` works and {venv.parent} is writable")
+    print(f"setup: installing {', '.join(PEER_PACKAGES)} into it", flush=True)
+    _run("pip install peer packages", [python, "-m", "pip", "install", *PEER_PACKAGES], log,
+         "check the package index is reachable (pip config) and the pins resolve", env=env)
+    if not (src / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").is_file():
+        print(f"setup: fetching the llama-cpp-python {LLAMA_CPP_PYTHON} source distribution", flush=True)
+        dl = root / "src"
+        dl.mkdir(parents=True, exist_ok=True)
+        # --no-binary: the sdist, which carries llama.cpp's own HF->GGUF converter and gguf-py.
+        _run("download llama-cpp-python sdist", [python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", dl], log, "check that PyPI is reachable", env=env)
+        tarball = dl / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+        if not tarball.is_file():
+            raise SetupError(f"setup step 'unpack sdist' failed: {tarball} not found after download; log: {log}")
+        with tarfile.open(tarball) as tf:
+            tf.extractall(dl, filter="data")
+        if not (src / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").is_file():
+            raise SetupError(f"setup step 'unpack sdist' failed: no vendor/llama.cpp/convert_hf_to_gguf.py in "
+                             f"{tarball}; "
+                             "pick a llama-cpp-python version whose sdist vendors llama.cpp")
+    print(f"setup: building llama-cpp-python {LLAMA_CPP_PYTHON} for this CPU ({CMAKE_ARGS}); "
+          f"this takes several minutes on 2 cores, log: {log}", flush=True)
+    build_env = dict(env, CMAKE_ARGS=CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+    _run("build llama-cpp-python", [python, "-m", "pip", "install", "--force-reinstall", "--no-cache-dir",
+         "--verbose", src], log, "it needs cmake, ninja or make, and a C++17 compiler (apt-get install cmake "
+         "build-essential)", env=build_env)
+    _run("import check", [python, "-c", "import llama_cpp, onnxruntime_genai"], log,
+         "the peers' venv is broken; delete it and rerun --setup", env=env)
+    stamp.write_text(json.dumps(want, indent=1) + "\n")
+    return python
+
+
+def _source_key(folder: Path) -> dict:
+    # The folder name carries the recipe's hash; size and mtime catch a rebuilt folder.
+    st = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(folder.glob("*.safetensors"))]
+    return {"folder": str(folder), "weights": st}
+
+
+def convert(python: Path, root: Path, folder: Path, log: Path) -> dict:
+    """GGUF (f32) and ORT GenAI (fp32, cpu) conversions of `folder`, cached next to each other."""
+    src = root / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    out = root / "models" / folder.name
+    out.mkdir(parents=True, exist_ok=True)
+    env = _peer_env()
+    gguf = out / "model-f32.gguf"
+    key = dict(_source_key(folder), converter=f"llama-cpp-python {LLAMA_CPP_PYTHON}", flags=list(GGUF_FLAGS))
+    if _stamp(out / "gguf.json") != key or not gguf.is_file():
+        print(f"setup: converting {folder} to GGUF f32 with llama.cpp's convert_hf_to_gguf.py", flush=True)
+        tmp = out / "model-f32.gguf.tmp"
+        _run("convert to GGUF", [python, WORKER, "convert-gguf", "--src", folder, "--out", tmp, "--llama-cpp", src,
+             "--", *GGUF_FLAGS], log, "see the converter's message at the end of the log", env=env)
+        os.replace(tmp, gguf)
+        (out / "gguf.json").write_text(json.dumps(key, indent=1) + "\n")
+    og = out / "ort-genai-fp32-cpu"
+    key = dict(_source_key(folder), builder=f"onnxruntime-genai {ORT_GENAI}", options=list(ORT_GENAI_OPTIONS))
+    if _stamp(out / "ort-genai.json") != key or not (og / "genai_config.json").is_file():
+        print(f"setup: converting {folder} with onnxruntime_genai.models.builder (fp32, cpu)", flush=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".ort-genai-", dir=out))
+        try:
+            _run("convert to ORT GenAI", [python, "-m", "onnxruntime_genai.models.builder", "-i", folder,
+                 "-o", tmp / "model", "-p", "fp32", "-e", "cpu", "-c", tmp / "cache",
+                 "--extra_options", "hf_token=false", *ORT_GENAI_OPTIONS], log, "see the builder's message at the end of the log", env=env)
+            shutil.rmtree(og, ignore_errors=True)
+            os.replace(tmp / "model", og)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        (out / "ort-genai.json").write_text(json.dumps(key, indent=1) + "\n")
+    return {"llama.cpp": gguf, "ort-genai": og}
+
+
+def setup(args, folder: Path) -> tuple[Path, dict]:
+    venv, root = args.peers_venv.expanduser().resolve(), args.peers_dir.expanduser().resolve()
+    for p in (venv, root):
+        if p == REPO or REPO in p.parents:
+            raise SetupError(f"setup refused: {p} is inside the repo; the peers must never live in llmc's tree "
+                             "(pass --peers-venv/--peers-dir outside it)")
+    if venv == Path(sys.prefix).resolve():
+        raise SetupError(f"setup refused: {venv} is the venv running this script; peers get their own")
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "setup.log"
+    python = setup_venv(venv, root, log)
+    return python, convert(python, root, folder, log)
+
+
+# -- llmc engines ------------------------------------------------------------------------------------
+
+
+def optional_passes() -> list[str]:
+    from llmc.passes import ALL_PASSES, REQUIRED_PASSES
+
+    return [p for p in ALL_PASSES if p not in REQUIRED_PASSES]
+
+
+def build_engine(model: str, out: Path, flags: list[str]) -> str | None:
+    """Build an engine; None on success, else the build's last error line."""
+    print(f"build: llmc build {model} {' '.join(flags)}".rstrip(), flush=True)
+    r = subprocess.run([sys.executable, "-m", "llmc.cli", "build", model, "-o", str(out), "--overwrite", *flags],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if r.returncode == 0:
+        return None
+    return (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+
+
+def disable(passes) -> list[str]:
+    return [f for p in passes for f in ("--disable-pass", p)]
+
+
+def build_variants(args, work: Path) -> tuple[list[tuple[str, Path]], dict[str, str]]:
+    """The llmc engines to measure, and a build error per variant that could not be built."""
+    engines, failed = parse_llmc(args.llmc), {}
+    if not engines:
+        engines.append(("llmc", work / "engine"))
+        err = build_engine(args.model, engines[-1][1], [])
+        if err:
+            raise SystemExit(f"error: llmc build {args.model} failed: {err}")
+    optional = optional_passes()
+    if args.no_fusions:
+        out = work / "engine-no-fusions"
+        off = list(optional)
+        err = build_engine(args.model, out, disable(off))
+        if err and "native-gqa" in off:
+            # At the time of writing, paged-kv-cache only recognises attention once native-gqa has
+            # removed the K/V head expansion, so with it off the build fails; keep it and say so.
+            print(f"build: without any optional pass the build fails ({err}); retrying with native-gqa on",
+                  flush=True)
+            off.remove("native-gqa")
+            err = build_engine(args.model, out, disable(off))
+        kept = [p for p in optional if p not in off]
+        name = "llmc, no fusions" + (f" (+{','.join(kept)})" if kept else "")
+        engines.append((name, out))
+        if err:
+            failed[name] = f"build failed: {err}"
+    if args.ablate:
+        for p in optional:
+            name, out = f"llmc -{p}", work / f"engine-no-{p}"
+            engines.append((name, out))
+            err = build_engine(args.model, out, disable([p]))
+            if err:
+                failed[name] = f"build failed: {err}"
+    return engines, failed
+
+
+# -- workers -------------------------------------------------------------------------------------------
+
+
+class Worker:
+    def __init__(self, name: str, python: Path, args: list[str], log: Path, env: dict | None = None):
+        self.name, self.log = name, log
+        self.proc = subprocess.Popen([str(python), str(WORKER), "serve", *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, bufsize=1,
+                                     env=env, cwd=REPO)
+        self.info = self._read()["info"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} worker exited; {self._tail()}")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(f"{self.name}: {msg['error']}; log: {self.log}")
+        return msg
+
+    def _tail(self) -> str:
+        try:
+            lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            lines = []
+        return f"last log line: {lines[-1] if lines else '(empty)'}; log: {self.log}"
+
+    def call(self, cmd: str, **kw):
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
+        return self._read()["result"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"cmd": "quit"}\n')
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+# -- roofline --------------------------------------------------------------------------------------------
+
+
+def cpu_times(pids) -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine incl. steal, CPU seconds of `pids`); None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        ours = 0
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ours += int(fields[11]) + int(fields[12])  # utime, stime
+        tick = os.sysconf("SC_CLK_TCK")
+        return (sum(v) - v[3] - v[4]) / tick, ours / tick
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def weight_bytes(folder: Path) -> int:
+    """Bytes of weights one decode step reads: every tensor, but an untied embedding only one row."""
+    cfg = json.loads((folder / "config.json").read_text())
+    total, embed, row = 0, 0, 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            n = t["data_offsets"][1] - t["data_offsets"][0]
+            total += n
+            if name.endswith("embed_tokens.weight"):
+                embed, row = n, n // t["shape"][0]
+    if not cfg.get("tie_word_embeddings", False):
+        total += row - embed
+    return total
+
+
+def kv_bytes_per_position(folder: Path, dtype_bytes: int) -> int:
+    cfg = json.loads((folder / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * dtype_bytes
+
+
+# -- report -------------------------------------------------------------------------------------------------
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def fmt(xs, scale, digits):
+    if not xs:
+        return "-"
+    return f"{med(xs) * scale:.{digits}f} [{min(xs) * scale:.{digits}f}..{max(xs) * scale:.{digits}f}]"
+
+
+def report(res: dict, args) -> str:
+    rows, roof = res["runtimes"], res["roofline"]
+    peers_ok = [n for n, r in rows.items() if r["kind"] != "llmc" and r.get("check_ok") and r["tpot"]]
+    best = {}
+    for metric, pick in (("ttft", min), ("tpot", min), ("b8", max)):
+        vals = {n: med(rows[n][metric]) for n in peers_ok if rows[n][metric]}
+        best[metric] = pick(vals.items(), key=lambda kv: kv[1]) if vals else None
+    bw = res["bandwidth_bytes_per_s"]
+    out = [f"{args.model} fp32 · batch 1: {args.prompt_len}-token prompt, {args.new_tokens} new tokens, greedy, "
+           f"no early stop · batch 8: {args.new_tokens - 1} decode steps after {args.prompt_len}-token prompts · "
+           f"{args.threads} threads · median of {args.reps} interleaved reps [min..max]",
+           f"DRAM read bandwidth ({res['bandwidth_method']}), measured before every measurement: "
+           f"{fmt(bw, 1e-9, 1)} GB/s",
+           f"  -> at the median, roofline TPOT "
+           f"{roof['tpot'] * 1e3:.2f} ms ({roof['weight_bytes'] / 1e6:.1f} MB weights + "
+           f"{roof['kv_bytes'] / 1e6:.1f} MB KV per token), batch-8 roofline {roof['b8_tok_s']:.0f} tok/s"]
+    w = max(len(n) for n in rows) + 2
+    head = (f"{'runtime':{w}s}{'same model?':16s}{'TTFT ms':>27s}{'TPOT ms':>27s}{'b8 tok/s':>27s}"
+            f"{'%roofline':>10s}{'TTFT/best':>10s}{'TPOT/best':>10s}{'b8/best':>9s}")
+    if res["others_cpu_share"]:
+        o = res["others_cpu_share"]
+        out.append(f"CPU used by other processes during the reps: {fmt(o, 100, 0)} % of the machine"
+                   + ("  << contended: numbers are noisy" if max(o) > 0.05 else ""))
+    out += ["", head, "-" * len(head)]
+    for name, r in rows.items():
+        if r.get("failed"):
+            out.append(f"{name:{w}s}FAILED: {r['failed']}")
+            continue
+        ratios = []
+        for metric in ("ttft", "tpot", "b8"):
+            b = best[metric]
+            ratios.append(f"{med(r[metric]) / b[1]:.2f}x" if b and r[metric] else "-")
+        pct = f"{med(r['roofline_share']) * 100:.0f}%" if r["roofline_share"] else "-"
+        out.append(f"{name:{w}s}{r['check']:16s} {fmt(r['ttft'], 1e3, 1):>26s} {fmt(r['tpot'], 1e3, 2):>26s} "
+                   f"{fmt(r['b8'], 1, 1):>26s}{pct:>10s}{ratios[0]:>10s}{ratios[1]:>10s}{ratios[2]:>9s}")
+    names = {m: (b[0] if b else "none") for m, b in best.items()}
+    out.append(f"best peer: TTFT {names['ttft']} · TPOT {names['tpot']} · b8 {names['b8']}"
+               + ("" if len(peers_ok) == len([r for r in rows.values() if r["kind"] != "llmc"])
+                  else " (peers that failed or disagreed in the same-model check are left out)"))
+    for name, r in rows.items():
+        if r["kind"] != "llmc" or not r["tpot"] or not all(best.values()):
+            continue
+        t = med(r["tpot"]) / best["tpot"][1]
+        f = med(r["ttft"]) / best["ttft"][1]
+        b = med(r["b8"]) / best["b8"][1]
+        p = med(r["roofline_share"])
+
+        def ok(c):
+            return "PASS" if c else "FAIL"
+
+        out.append(f"targets {name}: TPOT {t:.2f}x best peer (<= 0.90x) {ok(t <= 0.9)} · {p * 100:.0f}% of roofline "
+                   f"(>= 85%) {ok(p >= 0.85)} · TTFT {f:.2f}x (<= 0.90x) {ok(f <= 0.9)} · b8 {b:.2f}x (>= 1.30x) "
+                   f"{ok(b >= 1.3)}")
+    for name, r in rows.items():
+        if r.get("setup"):
+            out.append(f"note {name}: its TTFT includes {med(r['setup']) * 1e3:.1f} ms making the Generator, "
+                       "its per-request object (KV buffers sized to the request)")
+    for name, r in rows.items():
+        if r.get("check_detail"):
+            out.append(f"check {name}: {r['check_detail']}")
+    return "\n".join(out)
+
+
+# -- main ----------------------------------------------------------------------------------------------------
+
+
+def parse_llmc(specs: list[str]) -> list[tuple[str, Path]]:
+    out = []
+    for s in specs:
+        name, sep, path = s.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"error: --llmc wants NAME=ENGINE_DIR (got {s!r})")
+        if not (Path(path) / "manifest.json").is_file():
+            raise SystemExit(f"error: --llmc {name}: {path} is not an llmc engine (no manifest.json); build one "
+                             "with `llmc build MODEL -o DIR`")
+        out.append((name, Path(path)))
+    return out
+
+
+def measure(args, folder: Path, peers: list[str], python: Path | None, converted: dict, work: Path) -> bool:
+    """Build/load everything, check, measure interleaved, print; True when nothing failed."""
+    import numpy as np
+
+    engines, build_failed = build_variants(args, work)
+
+    cfg = json.loads((folder / "config.json").read_text())
+    vocab = int(cfg["vocab_size"])
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, vocab, args.prompt_len).tolist()
+    prompts_b = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(args.batch)]
+    check_prompt = rng.integers(3, vocab, 32).tolist()
+    steps = args.new_tokens - 1
+
+    # Rows in the order the engines were asked for; a variant that did not build keeps its row.
+    rows: dict[str, dict] = {name: {"kind": "llmc", "ttft": [], "tpot": [], "b8": [], "bw": [], "check": "-",
+                                    **({"failed": build_failed[name]} if name in build_failed else {})}
+                             for name, _ in engines}
+    workers: dict[str, Worker] = {}
+    common = ["--threads", str(args.threads), "--max-seqs", str(args.batch),
+              "--ctx-per-seq", str(args.prompt_len + args.new_tokens + 64)]
+    specs = [(name, "llmc", Path(sys.executable), ["llmc", "--model", str(path), *common], None)
+             for name, path in engines if name not in build_failed]
+    specs += [(p, p, python, [p, "--model", str(converted[p]), *common, "--kv-type", args.llama_kv_type], _peer_env())
+              for p in peers]
+    try:
+        for name, kind, py, wargs, env in specs:
+            rows.setdefault(name, {"kind": kind, "ttft": [], "tpot": [], "b8": [], "bw": [], "check": "-"})
+            print(f"load: {name}", flush=True)
+            try:
+                workers[name] = Worker(name, py, wargs, work / f"{kind}-{len(workers)}.log", env)
+                rows[name]["info"] = workers[name].info
+            except RuntimeError as exc:
+                rows[name]["failed"] = str(exc)
+                print(f"error: {exc}", flush=True)
+        bw_worker = Worker("bandwidth", Path(sys.executable), ["bandwidth", "--threads", str(args.threads),
+                           "--cache", str(args.peers_dir.expanduser() / "bandwidth")], work / "bandwidth.log")
+
+        def drop(name, exc):
+            rows[name]["failed"] = str(exc)
+            print(f"error: {exc}", flush=True)
+            workers.pop(name).close()
+
+        # Same-model check against the first llmc engine.
+        ref_name = engines[0][0]
+        ref = (workers[ref_name].call("greedy", prompt=check_prompt, n=args.check_tokens)
+               if ref_name in workers else None)
+        for name in list(workers):
+            r = rows[name]
+            if ref is None:
+                r["check"], r["check_ok"] = "no reference", False
+                continue
+            if name == ref_name:
+                r["check"], r["check_ok"] = "reference", True
+                continue
+            try:
+                got = workers[name].call("greedy", prompt=check_prompt, n=args.check_tokens)
+                same = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
+                if r["kind"] == "llmc":
+                    r["check_ok"] = same == len(ref)
+                    r["check"] = f"greedy {same}/{len(ref)}" + ("" if r["check_ok"] else " FLAG")
+                else:
+                    forced = workers[name].call("forced", prompt=check_prompt, cont=ref)
+                    agree = sum(a == b for (a, _), b in zip(forced, ref))
+                    r["check_ok"] = agree == len(ref)
+                    r["check"] = f"top-1 {agree}/{len(ref)}" + ("" if r["check_ok"] else " FLAG")
+                    margins = [m for (a, m), b in zip(forced, ref) if a != b]
+                    r["check_detail"] = (f"free-running greedy identical for {same}/{len(ref)} tokens; teacher-forced "
+                                         f"top-1 agrees at {agree}/{len(ref)} positions"
+                                         + (f"; top-1/top-2 margins where it differs: "
+                                            f"{', '.join(f'{m:.3g}' for m in margins)}" if margins else ""))
+            except RuntimeError as exc:
+                drop(name, exc)
+
+        print("warm-up", flush=True)
+        for name in list(workers):
+            try:
+                workers[name].call("latency", prompt=prompt, n=8)
+                workers[name].call("decode", prompts=prompts_b, steps=4)
+            except RuntimeError as exc:
+                drop(name, exc)
+        bw_worker.call("bandwidth", passes=1)
+
+        bw, others = [], []
+        for rep in range(args.reps):
+            pids = [os.getpid(), bw_worker.proc.pid] + [w.proc.pid for w in workers.values()]
+            t0, c0 = time.perf_counter(), cpu_times(pids)
+            order = list(workers)
+            order = order[rep % len(order):] + order[:rep % len(order)] if order else order
+            for what in ("latency", "decode"):
+                for name in order:
+                    if name not in workers:
+                        continue
+                    time.sleep(PAUSE_S)
+                    # Bandwidth right before every measurement: it moves with the neighbours within
+                    # seconds, so each TPOT is held against the rate memory gave just then. The
+                    # 1 GiB sweep also leaves every runtime the same cold cache.
+                    b = bw_worker.call("bandwidth", passes=3)["bytes_per_s"]
+                    bw.append(b)
+                    try:
+                        if what == "latency":
+                            m = workers[name].call("latency", prompt=prompt, n=args.new_tokens)
+                            rows[name]["ttft"].append(m["ttft"])
+                            rows[name]["tpot"].append(m["tpot"])
+                            rows[name]["bw"].append(b)
+                            if "setup" in m:
+                                rows[name].setdefault("setup", []).append(m["setup"])
+                        else:
+                            m = workers[name].call("decode", prompts=prompts_b, steps=steps)
+                            rows[name]["b8"].append(m["tok_s"])
+                    except RuntimeError as exc:
+                        drop(name, exc)
+            c1 = cpu_times(pids)
+            if c0 and c1:  # CPU the rest of the machine used, as a share of all cores over the rep
+                used = max(0.0, (c1[0] - c0[0]) - (c1[1] - c0[1]))
+                others.append(used / ((time.perf_counter() - t0) * os.cpu_count()))
+            print(f"rep {rep + 1}/{args.reps}: " + " · ".join(
+                f"{n} TPOT {rows[n]['tpot'][-1] * 1e3:.1f} ms, b8 {rows[n]['b8'][-1]:.0f} tok/s"
+                for n in order if n in workers) + f" · {med(bw[-2 * len(order):]) / 1e9:.1f} GB/s"
+                + (f" · others used {others[-1] * 100:.0f}% CPU" if others else ""), flush=True)
+    finally:
+        for w in list(workers.values()) + ([bw_worker] if "bw_worker" in locals() else []):
+            w.close()
+
+    bw_method = bw_worker.info["method"]
+    kv_dtype = {"float32": 4, "float16": 2, "bfloat16": 2}.get(
+        next((r["info"].get("kv_dtype") for r in rows.values() if r["kind"] == "llmc" and "info" in r), None), 4)
+    wb = weight_bytes(folder)
+    per_pos = kv_bytes_per_position(folder, kv_dtype)
+    mean_ctx = args.prompt_len + args.new_tokens / 2  # attended length averaged over the timed decode steps
+    bw_med = med(bw)
+    token_bytes = wb + per_pos * mean_ctx
+    roof = {"weight_bytes": wb, "kv_bytes": per_pos * mean_ctx, "kv_dtype_bytes": kv_dtype,
+            "tpot": token_bytes / bw_med,
+            "b8_tok_s": args.batch * bw_med / (wb + args.batch * per_pos * mean_ctx)}
+    for r in rows.values():  # each TPOT against the bandwidth measured just before it
+        r["roofline_share"] = [token_bytes / b / t for b, t in zip(r.get("bw", []), r["tpot"])]
+    res = {"model": args.model, "folder": str(folder), "threads": args.threads, "prompt_len": args.prompt_len,
+           "new_tokens": args.new_tokens, "batch": args.batch, "reps": args.reps,
+           "bandwidth_bytes_per_s": bw, "bandwidth_method": bw_method, "others_cpu_share": others,
+           "roofline": roof, "runtimes": rows,
+           "setup": {"llama_cpp_python": LLAMA_CPP_PYTHON, "cmake_args": CMAKE_ARGS, "gguf_flags": GGUF_FLAGS,
+                     "onnxruntime_genai": ORT_GENAI, "ort_genai_options": ORT_GENAI_OPTIONS,
+                     "llama_kv_type": args.llama_kv_type}}
+    print()
+    print(report(res, args))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        print(f"raw numbers: {args.json}")
+    return not any(r.get("failed") for r in rows.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-shape", help="recipe name or local HF folder")
+    ap.add_argument("--setup", action="store_true", help="set up the peers' venv and conversions, then exit")
+    ap.add_argument("--peers-venv", type=Path, default=cache_root() / "peers-venv")
+    ap.add_argument("--peers-dir", type=Path, default=cache_root() / "peers",
+                    help="sdist, build log and converted models")
+    ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
+    ap.add_argument("--llmc", action="append", default=[], metavar="NAME=ENGINE_DIR",
+                    help="an llmc engine to measure (repeatable); default: build one from --model")
+    ap.add_argument("--no-fusions", action="store_true",
+                    help="also build and measure an engine with every optional pass disabled")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also build and measure one engine per optional pass, with only that pass disabled")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--check-tokens", type=int, default=16)
+    ap.add_argument("--llama-kv-type", choices=["f32", "f16"], default="f16",
+                    help="llama.cpp KV cache type; f16 is its default and measured ~30%% faster at batch 8 "
+                         "here than f32 (which would keep its numerics fp32 end to end)")
+    ap.add_argument("--json", type=Path, default=None, help="write the raw numbers here")
+    args = ap.parse_args()
+
+    import numpy as np
+
+    from llmc.compiler.recipes import is_recipe, materialize
+
+    folder = materialize(args.model) if is_recipe(args.model) else Path(args.model).resolve()
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        raise SystemExit(f"error: unknown peer {sorted(unknown)[0]!r}; peers are {', '.join(PEERS)}")
+    try:
+        python, converted = setup(args, folder) if (peers or args.setup) else (None, {})
+    except SetupError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if args.setup:
+        print(f"setup done: venv {args.peers_venv}, models {args.peers_dir / 'models' / folder.name}")
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="llmc-peers-"))
+    ok = False
+    try:
+        ok = measure(args, folder, peers, python, converted, work)
+    finally:
+        # Engines are big; the worker logs are kept only when something failed, since the
+        # error lines point at them.
+        for d in work.glob("engine*"):
+            shutil.rmtree(d, ignore_errors=True)
+        if ok or not any(work.glob("*.log")):
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"worker logs kept in {work}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The `llmc bench` and `llmc tune` flows: check every input first (nothing is measured before a
+typo is caught), load, measure with progress on stderr, write the files, print the summary."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmc.bench.slo import format_slo, parse_slo
+from llmc.bench.workloads import LengthDist, Workload, parse_qps, qps_label
+from llmc.errors import LlmcError
+
+
+@dataclass
+class WorkloadArgs:
+    """The workload flags both commands take, as typed on the command line."""
+
+    num_requests: int
+    prompt_len: str
+    output_len: str
+    shared_prefix: int
+    num_prefixes: int
+    qps: str
+    max_concurrency: int | None
+    seed: int
+    warmup: int
+    repeats: int
+    slo: str | None
+
+    def parse(self) -> tuple[Workload, list[float], dict[str, float]]:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise LlmcError(f"--max-concurrency must be >= 1 (got {self.max_concurrency})")
+        if self.warmup < 0:
+            raise LlmcError(f"--warmup must be >= 0 requests (got {self.warmup})")
+        if self.repeats < 1:
+            raise LlmcError(f"--repeats must be >= 1 (got {self.repeats})")
+        workload = Workload(self.num_requests, LengthDist.parse(self.prompt_len, "--prompt-len"),
+                            LengthDist.parse(self.output_len, "--output-len"), self.shared_prefix,
+                            self.num_prefixes, self.seed)
+        return workload, parse_qps(self.qps), parse_slo(self.slo)
+
+    def describe(self, workload: Workload) -> dict[str, Any]:
+        return {**workload.to_dict(), "max_concurrency": self.max_concurrency, "warmup": self.warmup,
+                "repeats": self.repeats}
+
+
+def _output_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LlmcError(f"cannot create the output folder {path} ({e.strerror}); choose another -o") from None
+    return path
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _engine_info(label: str, path: Path, llm) -> dict[str, Any]:
+    from llmc.runtime.tuning import effective_options
+
+    source = (llm.engine.manifest.get("source") or {}).get("model", "unknown source")
+    return {"label": label, "path": str(path), "source": source, "options": effective_options(llm),
+            "tuning": llm.tuning}
+
+
+def _labels(paths: list[Path]) -> list[str]:
+    names = [p.resolve().name for p in paths]
+    return names if len(set(names)) == len(names) else [f"{n}#{i}" for i, n in enumerate(names, 1)]
+
+
+def bench(engines: list[Path], args: WorkloadArgs, output: Path | None, plots: bool, runtime: dict[str, Any],
+          use_tuning: bool) -> Path:
+    from llmc.bench.report import build_report, print_table, render_markdown, write_json
+    from llmc.bench.runner import benchmark
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.tuning import tuning_line
+
+    if len(engines) > 2:
+        raise LlmcError(f"llmc bench compares at most two engines (got {len(engines)})")
+    workload, rates, slo = args.parse()
+    if plots:
+        from llmc.bench.plots import require_matplotlib
+
+        require_matplotlib()
+    labels = _labels(engines)
+    output = output or Path(f"bench-{'-vs-'.join(labels)}")
+    console = _console()
+    loaded = []
+    for label, path in zip(labels, engines):
+        with console.status(f"loading {path}"):
+            llm = LLM(path, use_tuning=use_tuning, **runtime)
+        workload.check_fits(llm.max_context)
+        if llm.tuning is not None:
+            console.print(f"{label}: {tuning_line(llm.tuning)}")
+        loaded.append((label, llm))
+    _output_dir(output)  # before measuring: a bad -o must not cost a benchmark's worth of time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = workload.num_requests * len(rates) * args.repeats * len(loaded)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("warming up", total=total)
+        runs = benchmark(
+            loaded, workload, rates, args.repeats, args.max_concurrency, args.warmup,
+            on_run=lambda label, rate, rep: progress.update(
+                task, description=f"{label} · qps {qps_label(rate)} · repeat {rep + 1}/{args.repeats}"),
+            on_finish=lambda: progress.advance(task))
+
+    infos = [_engine_info(label, path, llm) for (label, llm), path in zip(loaded, engines)]
+    report = build_report(infos, args.describe(workload), rates, runs, slo)
+    if plots:
+        from llmc.bench.plots import bench_plots
+
+        report["plots"] = bench_plots(report, output)
+    write_json(output / "report.json", report)
+    (output / "report.md").write_text(render_markdown(report), encoding="utf-8")
+    from rich.console import Console
+
+    stdout = Console(highlight=False)
+    if not stdout.is_terminal:  # a pipe or a file has no width to fit: never squeeze the table
+        stdout = Console(highlight=False, width=200)
+    print_table(report, stdout)
+    written = ["report.json", "report.md", *report["plots"]]
+    console.print(f"wrote {output}/: {', '.join(written)}")
+    return output
+
+
+def tune(engine: Path, args: WorkloadArgs, output: Path | None, plots: bool, objective_name: str, budget: str,
+         build_knobs: bool, fresh: bool) -> Path:
+    from llmc.bench.measure import WorkloadCost, build_command, make_space
+    from llmc.bench.report import config_changes, other_cpu, render_tuning_markdown
+    from llmc.bench.runner import BUSY_MACHINE
+    from llmc.bench.tuner import Tuner, get_objective, parse_budget
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.tuning import TUNABLE_OPTIONS, effective_options, format_options, write_tuning
+
+    workload, rates, slo = args.parse()
+    objective = get_objective(objective_name, slo)
+    budget_s = parse_budget(budget)
+    if len(rates) != 1:
+        raise LlmcError(f"llmc tune measures one arrival rate; pass a single --qps (got {args.qps!r})")
+    rate = rates[0]
+    if plots:
+        from llmc.bench.plots import require_matplotlib
+
+        require_matplotlib()
+    console = _console()
+    with console.status(f"loading {engine}"):
+        llm = LLM(engine, use_tuning=False)  # the untuned defaults are the baseline
+        workload.check_fits(llm.max_context)
+        defaults, manifest = effective_options(llm), llm.engine.manifest
+        del llm
+    max_in_flight = min(workload.num_requests, args.max_concurrency or workload.num_requests)
+    space = make_space(defaults, manifest if build_knobs else None, max_in_flight)
+    output = _output_dir(output or Path(f"tune-{engine.resolve().name}"))
+    state = output / "tune_state.json"
+    if fresh:
+        state.unlink(missing_ok=True)
+        shutil.rmtree(output / "engines", ignore_errors=True)
+    described = {**args.describe(workload), "qps": qps_label(rate)}
+    fingerprint = {
+        "engine": hashlib.sha256((engine / "manifest.json").read_bytes()).hexdigest(),
+        "workload": described, "slo": slo, "build_knobs": build_knobs,
+    }
+
+    status = console.status("measuring the default configuration")
+    status.start()
+    trial_no = 0
+
+    def started(config):
+        status.update(f"trial {trial_no + 1}: {config_changes(config, space.default) or 'default'}")
+
+    def finished(trial, reused):
+        nonlocal trial_no
+        trial_no += 1
+        changed = config_changes(trial.config, space.default) or "default"
+        value = f"failed: {trial.error}" if trial.failed else \
+            f"{objective.format(trial.score)} (spread {trial.rel_spread:.1%})"
+        reuse = " (reused)" if reused else ""
+        share = other_cpu(trial)
+        busy = f" · other processes took {share:.0%} of the CPU" if share and share > BUSY_MACHINE else ""
+        console.print(f"  trial {trial_no:2d} {changed}: {value} · {trial.seconds:.1f}s{reuse}{busy}")
+
+    cost = WorkloadCost(engine, manifest, workload, rate, args.repeats, args.max_concurrency, args.warmup, slo,
+                        output, space, on_progress=lambda what: status.update(f"trial {trial_no + 1}: {what}"))
+    try:
+        result = Tuner(space, cost, objective, budget_s, state, fingerprint, on_trial=finished,
+                       on_start=started).run()
+    finally:
+        status.stop()
+
+    if result.default is None or result.default.failed:
+        raise LlmcError(f"the default configuration failed on this workload ({result.default.error}); "
+                        "check the engine with `llmc run`")
+    winner_options = {k: v for k, v in result.winner.config.items() if k in TUNABLE_OPTIONS}
+    path = write_tuning(engine, winner_options, objective=objective.name, workload=described,
+                        slo=format_slo(slo) or None,
+                        measured={"default": result.default.score, "winner": result.winner.score,
+                                  "margin": objective.margin(result.winner.score, result.default.score),
+                                  "unit": objective.unit, "trials": len(result.trials)})
+    recommendation = None
+    if any(result.best.config[k.name] != space.default[k.name] for k in space.knobs if k.kind == "build"):
+        recommendation = (f"The best trial changes build knobs, which tuning.json cannot apply: rebuild with "
+                          f"`{build_command(manifest, engine, result.best.config)}` and run `llmc tune` on the new "
+                          f"engine. tuning.json holds the best runtime-only configuration for the current build.")
+    plot = None
+    if plots:
+        from llmc.bench.plots import tuning_plot
+
+        plot = tuning_plot(result, output)
+    (output / "tuning_report.md").write_text(
+        render_tuning_markdown(result, objective, described, str(engine), recommendation, plot), encoding="utf-8")
+    console.print(f"best: {config_changes(result.best.config, space.default) or 'the default'} "
+                  f"· {result.margin:+.1%} {objective.name} vs default · {result.verdict}")
+    if recommendation:
+        console.print(recommendation)
+    console.print(f"wrote {path} ({format_options(winner_options)}) and {output}/tuning_report.md"
+                  + (f", {output}/{plot}" if plot else ""))
+    return output

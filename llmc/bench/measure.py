@@ -1,0 +1,142 @@
+"""The tuner's real cost function and search space: load the engine with a trial's options
+(building a variant first when a build knob differs), warm up, run the workload per repeat.
+
+Runtime knobs are what tuning.json can apply. Build knobs (block size, optional passes) change the
+engine itself; they are searched only on request, by building variants into the workspace.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+from llmc.bench.runner import OtherCpu, RunResult, engine_vocab, run_requests, warm_up
+from llmc.bench.tuner import Config, Knob, SearchSpace
+from llmc.bench.workloads import Workload
+from llmc.errors import LlmcError
+from llmc.runtime.llm import LLM
+from llmc.runtime.tuning import TUNABLE_OPTIONS
+
+NO_PASSES = "none"  # the disable_passes value for "nothing disabled"
+
+
+def _around(default: int, candidates: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted({default, *candidates}))
+
+
+def runtime_space(defaults: dict[str, Any], max_in_flight: int) -> list[Knob]:
+    """Runtime knobs, most influential first (the search varies them in this order).
+
+    `max_in_flight` is the most requests the workload can have in flight: a max_num_seqs above it
+    behaves exactly like one at it, so measuring it could only let noise pick it."""
+    cores = os.cpu_count() or 1
+    threads = {1, cores, defaults["num_threads"]} | {n for n in (2, 4, 8, 16) if n <= cores}
+    seqs = [n for n in (4, 8, 16, 32) if n <= max_in_flight] or [max_in_flight]
+    return [
+        Knob("num_threads", tuple(sorted(threads))),
+        Knob("max_num_seqs", _around(defaults["max_num_seqs"], tuple(seqs))),
+        Knob("max_num_batched_tokens", _around(defaults["max_num_batched_tokens"], (256, 512, 1024))),
+        Knob("chunk_size", _around(defaults["chunk_size"], (64, 128, 256, 512))),
+        Knob("allow_spinning", (True, False)),
+        Knob("graph_optimization_level", tuple(dict.fromkeys(("basic", "extended", "all",
+                                                              defaults["graph_optimization_level"])))),
+    ]
+
+
+def build_space(manifest: dict[str, Any]) -> tuple[list[Knob], Config]:
+    """Build knobs and the engine's own values of them (from its manifest)."""
+    from llmc.passes import ALL_PASSES, REQUIRED_PASSES
+
+    options = manifest.get("build_options") or {}
+    block_size = int(manifest["kv_cache"]["block_size"])
+    disabled = "+".join(options.get("disabled_passes") or []) or NO_PASSES
+    optional = [p for p in ALL_PASSES if p not in REQUIRED_PASSES]
+    knobs = [Knob("block_size", _around(block_size, (8, 16, 32)), "build"),
+             Knob("disable_passes", tuple(dict.fromkeys([disabled, NO_PASSES, *optional])), "build")]
+    return knobs, {"block_size": block_size, "disable_passes": disabled}
+
+
+def make_space(defaults: dict[str, Any], manifest: dict[str, Any] | None, max_in_flight: int) -> SearchSpace:
+    knobs = runtime_space(defaults, max_in_flight)
+    default = {k.name: defaults[k.name] for k in knobs}
+    if manifest is not None:
+        build_knobs, build_default = build_space(manifest)
+        knobs += build_knobs
+        default.update(build_default)
+    return SearchSpace(knobs, default)
+
+
+def build_command(manifest: dict[str, Any], engine: Path, config: Config) -> str:
+    """The `llmc build` line that rebuilds `engine` with a configuration's build knobs."""
+    source = (manifest.get("source") or {}).get("model", "MODEL")
+    options = manifest.get("build_options") or {}
+    parts = ["llmc build", source, "-o", str(engine), "--overwrite", "--block-size", str(config["block_size"])]
+    if options.get("max_context"):
+        parts += ["--max-context", str(options["max_context"])]
+    if config["disable_passes"] != NO_PASSES:
+        for name in config["disable_passes"].split("+"):
+            parts += ["--disable-pass", name]
+    if options.get("last_token_logits") is False:
+        parts.append("--all-logits")
+    return " ".join(parts)
+
+
+class WorkloadCost:
+    """cost(config) -> one run summary per repeat, measured on the real engine."""
+
+    def __init__(self, engine: Path, manifest: dict[str, Any], workload: Workload, rate: float, repeats: int,
+                 max_concurrency: int | None, warmup: int, slo: dict[str, float], workspace: Path,
+                 space: SearchSpace, on_progress=None):
+        self.engine, self.manifest, self.workload, self.rate = engine, manifest, workload, rate
+        self.repeats, self.max_concurrency, self.warmup, self.slo = repeats, max_concurrency, warmup, slo
+        self.workspace, self.space, self.on_progress = workspace, space, on_progress
+
+    def _engine_for(self, config: Config) -> Path:
+        build = {k.name: config[k.name] for k in self.space.knobs if k.kind == "build"}
+        if all(self.space.default[name] == value for name, value in build.items()):
+            return self.engine
+        from llmc.artifact import MANIFEST
+        from llmc.compiler.pipeline import BuildOptions, build as run_build
+
+        variant = self.workspace / "engines" / f"bs{build['block_size']}-{build['disable_passes']}"
+        if not (variant / MANIFEST).is_file():  # built by an earlier, interrupted session: reuse
+            options = self.manifest.get("build_options") or {}
+            disabled = () if build["disable_passes"] == NO_PASSES else tuple(build["disable_passes"].split("+"))
+            if self.on_progress:
+                self.on_progress(f"building {variant.name}")
+            source = (self.manifest.get("source") or {}).get("model")
+            if not source:
+                raise LlmcError(f"engine {self.engine} does not record its source model; cannot rebuild variants")
+            run_build(source, variant, BuildOptions(
+                block_size=build["block_size"], max_context=options.get("max_context"), disable_passes=disabled,
+                overwrite=True, last_token_logits=options.get("last_token_logits", True)))
+        return variant
+
+    def __call__(self, config: Config) -> list[dict[str, Any]]:
+        engine = self._engine_for(config)
+        runtime = {k: v for k, v in config.items() if k in TUNABLE_OPTIONS}
+        # Checksums were verified when the tune started (variants are this tuner's own builds):
+        # re-hashing the weights for every trial would only add to its time.
+        llm = LLM(engine, use_tuning=False, verify_checksums=False, **runtime)
+        try:
+            warm_up(llm, self.workload, self.warmup)
+            vocab = engine_vocab(llm)
+            summaries = []
+            for rep in range(self.repeats):
+                if self.on_progress:
+                    self.on_progress(f"repeat {rep + 1}/{self.repeats}")
+                with OtherCpu() as other:
+                    records, start, wall = run_requests(llm, self.workload.requests(vocab, self.rate, rep, 0),
+                                                        self.max_concurrency)
+                run = RunResult("trial", self.rate, rep, start, wall, records, other.share)
+                failed = [r for r in records if not r.completed]
+                if failed:
+                    why = failed[0].output.error or failed[0].output.finish_reason
+                    raise LlmcError(f"{len(failed)} of {len(records)} requests failed ({why})")
+                summaries.append({**run.summary(self.slo), "other_cpu": other.share})
+            return summaries
+        finally:
+            del llm
+            gc.collect()  # free this trial's KV pool and session before the next one allocates its own

@@ -1,0 +1,82 @@
+"""Merge sibling projections: MatMuls that read the same activation become one wider MatMul.
+
+Q, K and V read the same normalized hidden state, and so do the MLP's gate and up projections.
+One [K, Nq+Nk+Nv] GEMM instead of three streams the activation once, pays one kernel launch and
+thread fork instead of three, and gives the small-M decode GEMMs a wider N to parallelize over.
+A Split hands each consumer its columns back, so nothing downstream changes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from llmc.passes.base import BuildContext, RewriteRule, RulePass, weight
+
+
+def _matmul_consumers(value: ir.Value) -> list[ir.Node]:
+    """MatMuls reading `value` as their left operand, in graph order (uses() is unordered)."""
+    users = {id(node): node for node, slot in value.uses() if node.op_type == "MatMul" and slot == 0}
+    graph = next(iter(users.values())).graph if users else None
+    return [n for n in graph if id(n) in users] if graph is not None else []
+
+
+class MergeSiblingMatMuls(RewriteRule):
+    """`arity` MatMuls sharing input A with constant 2-D weights -> MatMul(A, concat(W)) + Split."""
+
+    def __init__(self, name: str, arity: int, what: str):
+        self.name, self.arity, self.what = name, arity, what
+
+    def match(self, node, ctx: BuildContext):
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+            return None
+        siblings = _matmul_consumers(node.inputs[0])
+        if len(siblings) != self.arity or siblings[0] is not node:
+            return None  # anchored at the first sibling, so a group is seen once
+        return {"activation": node.inputs[0], "siblings": siblings}
+
+    def check(self, m, ctx: BuildContext):
+        weights = [weight(n.inputs[1]) for n in m["siblings"]]
+        if any(w is None for w in weights):
+            return f"{self.what}: a weight is not a constant initializer"
+        if any(w.ndim != 2 for w in weights):
+            return f"{self.what}: weights are not 2-D"
+        if len({w.shape[0] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
+            return f"{self.what}: weights differ in K or dtype"
+        if any(n.outputs[0].is_graph_output() for n in m["siblings"]):
+            return f"{self.what}: a projection is a graph output"
+        m["weights"] = weights
+        return None
+
+    def rewrite(self, m, ctx: BuildContext, model: ir.Model):
+        graph, siblings, weights = model.graph, m["siblings"], m["weights"]
+        merged = ir.Value(name=f"{siblings[0].name}.{self.name}.weight",
+                          const_value=ir.tensor(np.concatenate(weights, axis=1)))
+        graph.register_initializer(merged)
+        matmul = ir.Node("", "MatMul", [m["activation"], merged], name=f"{siblings[0].name}_{self.name}")
+        widths = ir.Value(name=f"{matmul.name}.split",
+                          const_value=ir.tensor(np.array([w.shape[1] for w in weights], np.int64)))
+        graph.register_initializer(widths)
+        split = ir.Node("", "Split", [matmul.outputs[0], widths], attributes=[ir.AttrInt64("axis", -1)],
+                        num_outputs=len(siblings), name=f"{matmul.name}_split")
+        graph.insert_before(siblings[0], [matmul, split])
+        out0 = siblings[0].outputs[0]
+        matmul.outputs[0].type = out0.type
+        for old, new in zip(siblings, split.outputs):
+            new.type, new.shape = old.outputs[0].type, old.outputs[0].shape
+            ir.convenience.replace_all_uses_with(old.outputs[0], new)
+        for old in siblings:
+            graph.remove(old, safe=True)
+
+
+class MergeMatMuls(RulePass):
+    name = "merge-matmuls"
+    description = "merge the Q/K/V projections and the gate/up projections into one MatMul each"
+    rules = (MergeSiblingMatMuls("qkv_merge", 3, "Q/K/V projections"),
+             MergeSiblingMatMuls("gate_up_merge", 2, "gate/up projections"))
+
+    def finish(self, model, ctx, counts):
+        from llmc.passes.cleanup import remove_dead_code
+
+        if counts:
+            remove_dead_code(model)  # the per-projection weights are no longer read
