@@ -14,11 +14,14 @@ import onnx_ir as ir
 from llmc.passes.base import BuildContext, RewriteRule, RulePass, weight
 
 
-def _matmul_consumers(value: ir.Value) -> list[ir.Node]:
-    """MatMuls reading `value` as their left operand, in graph order (uses() is unordered)."""
+def _matmul_consumers(value: ir.Value, count: int) -> list[ir.Node] | None:
+    """The MatMuls reading `value` as their left operand, in graph order (uses() is unordered),
+    if there are exactly `count` of them; None otherwise (without scanning the graph)."""
     users = {id(node): node for node, slot in value.uses() if node.op_type == "MatMul" and slot == 0}
-    graph = next(iter(users.values())).graph if users else None
-    return [n for n in graph if id(n) in users] if graph is not None else []
+    if len(users) != count:
+        return None
+    graph = next(iter(users.values())).graph
+    return [n for n in graph if id(n) in users]
 
 
 class MergeSiblingMatMuls(RewriteRule):
@@ -30,8 +33,8 @@ class MergeSiblingMatMuls(RewriteRule):
     def match(self, node, ctx: BuildContext):
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             return None
-        siblings = _matmul_consumers(node.inputs[0])
-        if len(siblings) != self.arity or siblings[0] is not node:
+        siblings = _matmul_consumers(node.inputs[0], self.arity)
+        if siblings is None or siblings[0] is not node:
             return None  # anchored at the first sibling, so a group is seen once
         return {"activation": node.inputs[0], "siblings": siblings}
 
