@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import engine_for
+from common import decode_steps, engine_for
 
 
 class TimedSession:
@@ -37,23 +37,10 @@ class TimedSession:
 
 def measure(llm, batch: int, steps: int) -> tuple[float, float]:
     """Median step time and median time outside the graph run, over `steps` pure-decode steps."""
-    from llmc.runtime.sampling import SamplingParams
-
     rng = np.random.default_rng(batch)
-    ids = [llm.add_request(rng.integers(3, 1000, 32).tolist(), SamplingParams(max_tokens=steps + 8, ignore_eos=True))
-           for _ in range(batch)]
-    while any(not llm.output(i).token_ids for i in ids):
-        llm.step()
-    timer = llm.engine.session
-    totals, outside = [], []
-    for _ in range(steps):
-        start = time.perf_counter()
-        llm.step()
-        total = time.perf_counter() - start
-        totals.append(total)
-        outside.append(total - timer.last)
-    for i in ids:
-        llm.abort(i)
+    timer, outside = llm.engine.session, []
+    totals = decode_steps(llm, [rng.integers(3, 1000, 32).tolist() for _ in range(batch)], steps,
+                          after_step=lambda total: outside.append(total - timer.last))
     return statistics.median(totals), statistics.median(outside)
 
 

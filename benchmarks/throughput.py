@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import engine_for
+from common import decode_steps, engine_for
 
 
 def workload(n: int, seed: int, vocab: int):
@@ -26,24 +26,14 @@ def workload(n: int, seed: int, vocab: int):
 
 
 def run(llm, prompts, outputs, arrivals=None):
-    """Drive the engine loop; requests join when their arrival time has passed."""
-    from llmc.runtime.sampling import SamplingParams
+    """Send each request at its arrival time (all at once by default) through the same client
+    loop `llmc bench` uses; returns (outputs, wall time)."""
+    from llmc.bench.runner import run_requests
+    from llmc.bench.workloads import BenchRequest
 
-    order = list(range(len(prompts)))
     arrivals = arrivals if arrivals is not None else [0.0] * len(prompts)
-    outs, start = [], time.perf_counter()
-    while order or llm.has_unfinished():
-        now = time.perf_counter() - start
-        while order and arrivals[order[0]] <= now:
-            i = order.pop(0)
-            out = llm.output(llm.add_request(prompts[i], SamplingParams(max_tokens=outputs[i], ignore_eos=True)))
-            out.metrics.arrival = start + arrivals[i]  # the request's real arrival, not the step boundary
-            outs.append(out)
-        if llm.has_unfinished():
-            llm.step()
-        elif order:
-            time.sleep(max(0.0, arrivals[order[0]] - (time.perf_counter() - start)))
-    return outs, time.perf_counter() - start
+    records, _, wall = run_requests(llm, [BenchRequest(p, o, a) for p, o, a in zip(prompts, outputs, arrivals)])
+    return [r.output for r in records], wall
 
 
 def one_at_a_time(llm, prompts, outputs):
@@ -53,24 +43,6 @@ def one_at_a_time(llm, prompts, outputs):
         outs += got
         wall += seconds
     return outs, wall
-
-
-def decode_steps(llm, prompts, steps: int = 48) -> list[float]:
-    """Step times while exactly len(prompts) sequences decode (their prefills done first), so
-    each step is one output token for every sequence: the per-token latency at that batch."""
-    from llmc.runtime.sampling import SamplingParams
-
-    ids = [llm.add_request(p, SamplingParams(max_tokens=steps + 8, ignore_eos=True)) for p in prompts]
-    while any(not llm.output(i).token_ids for i in ids):
-        llm.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        llm.step()
-        times.append(time.perf_counter() - start)
-    for i in ids:
-        llm.abort(i)
-    return times
 
 
 def row(name, outs, wall):
