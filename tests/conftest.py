@@ -29,19 +29,22 @@ class _Engines:
         self.root = root
         self._built: dict[str, Path] = {}
 
-    def __call__(self, recipe: str) -> Path:
-        if recipe not in self._built:
+    def __call__(self, recipe: str, *disabled_passes: str) -> Path:
+        key = (recipe, *disabled_passes)
+        if key not in self._built:
             from llmc.compiler.pipeline import BuildOptions, build
 
-            out = self.root / recipe
-            build(recipe, out, BuildOptions(block_size=BLOCK_SIZE, max_context=MAX_CONTEXT, verify=True))
-            self._built[recipe] = out
-        return self._built[recipe]
+            out = self.root / "-".join(key)
+            build(recipe, out, BuildOptions(block_size=BLOCK_SIZE, max_context=MAX_CONTEXT, verify=True,
+                                            disable_passes=disabled_passes))
+            self._built[key] = out
+        return self._built[key]
 
 
 @pytest.fixture(scope="session")
 def engines(tmp_path_factory) -> _Engines:
-    """`engines("tiny-llama")` -> engine dir, built once per session."""
+    """`engines("tiny-llama")` -> engine dir, built once per session (`engines("tiny-llama",
+    "cpu-kernels")`: the same with those passes disabled)."""
     return _Engines(tmp_path_factory.mktemp("engines"))
 
 

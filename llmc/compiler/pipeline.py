@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from llmc import __version__
+from llmc import kernels
 from llmc.artifact import EngineWriter
 from llmc.errors import LlmcError, first_line
 from llmc.spec import ModelSpec
@@ -151,7 +152,8 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         writer.commit({
             "source": {"model": model_ref, "folder": str(folder),
                        "config_sha256": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()},
-            "backend": {"name": "onnxruntime", "target": "cpu"},
+            "backend": {"name": "onnxruntime", "target": "cpu",
+                        "custom_ops": [kernels.DOMAIN] if kernels.uses_kernels(model.opset_imports) else []},
             "model_spec": spec.to_dict(),
             "build_options": {"block_size": options.block_size, "max_context": max_context,
                               "disabled_passes": list(options.disable_passes),

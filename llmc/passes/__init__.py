@@ -10,6 +10,7 @@ __all__ = ["BuildContext", "Pass", "PassManager", "PassRecord", "PassResult", "R
 
 def _registry() -> dict[str, type[Pass]]:
     from llmc.passes.cleanup import Cleanup
+    from llmc.passes.cpu_kernels import CPUKernels
     from llmc.passes.last_token import LastTokenLogits
     from llmc.passes.layout import SimplifyLayout
     from llmc.passes.merge_matmuls import MergeMatMuls
@@ -19,14 +20,14 @@ def _registry() -> dict[str, type[Pass]]:
     from llmc.passes.paged_kv import PagedKVCache
 
     return {p.name: p for p in (Cleanup, NativeGQA, MergeMatMuls, PagedKVCache, LastTokenLogits,
-                                LowerPagedAttentionORT, ORTFusions, SimplifyLayout)}
+                                ORTFusions, CPUKernels, LowerPagedAttentionORT, SimplifyLayout)}
 
 
-# In pipeline order, in phases: canonicalize, fuse, rewrite the KV-cache I/O, lower for the
-# backend, fuse into the backend's kernels. The runtime contract needs the paged rewrite and a
-# backend lowering.
-ALL_PASSES = ("cleanup", "native-gqa", "merge-matmuls", "paged-kv-cache", "last-token-logits", "ort-lower",
-              "ort-fusions", "simplify-layout")
+# In pipeline order, in phases: canonicalize, fuse, rewrite the KV-cache I/O, fuse into the
+# backend's kernels (ORT's, then llmc's own), lower what is left to standard ops, tidy the layout.
+# The runtime contract needs the paged rewrite and a backend lowering.
+ALL_PASSES = ("cleanup", "native-gqa", "merge-matmuls", "paged-kv-cache", "last-token-logits", "ort-fusions",
+              "cpu-kernels", "ort-lower", "simplify-layout")
 REQUIRED_PASSES = ("paged-kv-cache", "ort-lower")
 
 

@@ -81,7 +81,8 @@ class RewriteRule:
     def check(self, m: dict[str, Any], ctx: BuildContext) -> str | None:
         return None
 
-    def rewrite(self, m: dict[str, Any], ctx: BuildContext, model: ir.Model) -> None:
+    def rewrite(self, m: dict[str, Any], ctx: BuildContext, model: ir.Model) -> dict[str, int] | None:
+        """Applies the rewrite; may return counts of what rode along (folded into the pass's counts)."""
         raise NotImplementedError
 
 
@@ -124,8 +125,9 @@ class RulePass(Pass):
                 if reason is not None:
                     misses.append(f"{rule.name} at {node.name}: {reason}")
                     continue
-                rule.rewrite(m, ctx, model)
+                extra = rule.rewrite(m, ctx, model)
                 hits[rule.name] += 1
+                hits.update({k: v for k, v in (extra or {}).items() if v})
                 break
         return hits, misses
 

@@ -3,7 +3,10 @@
 Q, K and V read the same normalized hidden state, and so do the MLP's gate and up projections.
 One [K, Nq+Nk+Nv] GEMM instead of three streams the activation once, pays one kernel launch and
 thread fork instead of three, and gives the small-M decode GEMMs a wider N to parallelize over.
-A Split hands each consumer its columns back, so nothing downstream changes.
+A Split hands each consumer its columns back, so nothing downstream changes. Projections with
+a bias (Qwen2's Q/K/V) keep it on the merged side: when every sibling's only consumer adds a
+constant 1-D bias, one Add of the concatenated biases runs before the Split, so the split parts
+are the finished projections (which llmc's attention kernel can then read unsplit).
 """
 
 from __future__ import annotations
@@ -12,6 +15,22 @@ import numpy as np
 import onnx_ir as ir
 
 from llmc.passes.base import BuildContext, RewriteRule, RulePass, weight
+
+
+def _bias_adds(siblings: list[ir.Node]) -> tuple[list[ir.Node], list[np.ndarray]] | None:
+    """Each sibling's sole consumer when all are `Add(out, constant 1-D bias)` matching its width."""
+    adds, biases = [], []
+    for node in siblings:
+        uses = node.outputs[0].uses()
+        if len(uses) != 1 or uses[0].node.op_type != "Add" or uses[0].node.domain not in ("", "ai.onnx"):
+            return None
+        add = uses[0].node
+        bias = weight(add.inputs[1 - uses[0].idx])
+        if bias is None or bias.ndim != 1 or add.outputs[0].is_graph_output():
+            return None
+        adds.append(add)
+        biases.append(bias)
+    return adds, biases
 
 
 def _matmul_consumers(value: ir.Value, count: int) -> list[ir.Node] | None:
@@ -60,16 +79,24 @@ class MergeSiblingMatMuls(RewriteRule):
         widths = ir.Value(name=f"{matmul.name}.split",
                           const_value=ir.tensor(np.array([w.shape[1] for w in weights], np.int64)))
         graph.register_initializer(widths)
-        split = ir.Node("", "Split", [matmul.outputs[0], widths], attributes=[ir.AttrInt64("axis", -1)],
+        merged_out, replaced, new_nodes = matmul.outputs[0], siblings, [matmul]
+        merged_out.type = siblings[0].outputs[0].type
+        bias_adds = _bias_adds(siblings)
+        if bias_adds is not None and all(b.shape[0] == w.shape[1] for b, w in zip(bias_adds[1], weights)):
+            replaced = bias_adds[0]
+            bias = ir.Value(name=f"{matmul.name}.bias", const_value=ir.tensor(np.concatenate(bias_adds[1])))
+            graph.register_initializer(bias)
+            add = ir.Node("", "Add", [merged_out, bias], name=f"{matmul.name}_bias")
+            add.outputs[0].type = merged_out.type
+            merged_out = add.outputs[0]
+            new_nodes.append(add)
+        split = ir.Node("", "Split", [merged_out, widths], attributes=[ir.AttrInt64("axis", -1)],
                         num_outputs=len(siblings), name=f"{matmul.name}_split")
-        graph.insert_before(siblings[0], [matmul, split])
-        out0 = siblings[0].outputs[0]
-        matmul.outputs[0].type = out0.type
-        for old, new in zip(siblings, split.outputs):
+        graph.insert_before(siblings[0], [*new_nodes, split])
+        for old, new in zip(replaced, split.outputs):
             new.type, new.shape = old.outputs[0].type, old.outputs[0].shape
             ir.convenience.replace_all_uses_with(old.outputs[0], new)
-        for old in siblings:
-            graph.remove(old, safe=True)
+        graph.remove([*replaced, *siblings] if replaced is not siblings else siblings, safe=True)
 
 
 class MergeMatMuls(RulePass):

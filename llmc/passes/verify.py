@@ -27,8 +27,12 @@ class PassVerificationError(AssertionError):
 def _session(model: ir.Model):
     import onnxruntime as ort
 
+    from llmc import kernels
+
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if kernels.uses_kernels(model.opset_imports):
+        kernels.register(opts)
     return ort.InferenceSession(ir.to_proto(model).SerializeToString(), opts,
                                 providers=["CPUExecutionProvider"])
 

@@ -1,8 +1,9 @@
 """Engine: an engine artifact loaded into an ONNX Runtime session with its KV block pool.
 
 `Engine.forward` runs one step of the paged contract (design §4). The per-layer caches are
-OrtValues bound once as both input and output of the session (IOBinding), so the graph's
-ScatterND writes new K/V into the pool in place; nothing proportional to the pool is copied.
+OrtValues bound once as both input and output of the session (IOBinding), so the graph's cache
+write (llmc's PagedAttention kernel, or a ScatterND) lands in the pool in place; nothing
+proportional to the pool is copied.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc import kernels
 from llmc.artifact import engine_file, load_manifest
 from llmc.errors import EngineError, LlmcError, first_line
 from llmc.spec import ModelSpec
@@ -70,6 +72,14 @@ class Engine:
         }[graph_optimization_level]
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
         opts.log_severity_level = 3
+        if isinstance(backend, dict) and kernels.DOMAIN in backend.get("custom_ops", ()):
+            try:
+                kernels.register(opts)
+            except LlmcError as exc:
+                raise EngineError(f"engine {self.dir}: {exc}") from None
+            except Exception as exc:
+                raise EngineError(f"engine {self.dir}: ONNX Runtime cannot load llmc's CPU kernels "
+                                  f"({first_line(exc)}); reinstall llmc (pip install -e .)") from None
         try:
             self.session = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
         except Exception as exc:

@@ -1,0 +1,229 @@
+/* See attention.h. Written for the compiler's vectorizer: the inner loops run over head_dim or a
+ * block's keys with `omp simd` (built with -fopenmp-simd, no OpenMP runtime), and each function
+ * is cloned for AVX-512, AVX2 and baseline x86-64 so one build runs on any x86 CPU. */
+#include "attention.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LLMC_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#else
+#define LLMC_CLONES
+#endif
+
+#define MAX_TILE 16
+
+/* exp(x) for x <= 88: 2^n * e^y with |y| <= ln2/2 and a degree-7 Taylor polynomial (relative
+ * error ~1e-8, under float rounding). Plain arithmetic, so loops calling it vectorize. */
+static inline float exp_f(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float y = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * y + 1.0f / 720.0f;
+    p = p * y + 1.0f / 120.0f;
+    p = p * y + 1.0f / 24.0f;
+    p = p * y + 1.0f / 6.0f;
+    p = p * y + 0.5f;
+    p = p * y + 1.0f;
+    p = p * y + 1.0f;
+    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+const char *llmc_attention_check(const llmc_attention *a) {
+    for (int64_t b = 0; b < a->batch; b++) {
+        int64_t past = a->past_lens[b], qlen = a->query_lens[b];
+        if (past < 0 || qlen < 0 || qlen > a->seq)
+            return "past_lens/query_lens out of range for the step";
+        if (qlen == 0)
+            continue;
+        int64_t last = past + qlen - 1;
+        if (last / a->block_size >= a->max_blocks)
+            return "block_tables has fewer columns than a row's tokens need";
+        for (int64_t t = 0; t <= last / a->block_size; t++) {
+            int32_t blk = a->block_tables[b * a->max_blocks + t];
+            if (blk < 0 || blk >= a->num_blocks)
+                return "block_tables names a block outside the KV pool";
+        }
+    }
+    return NULL;
+}
+
+/* dst = x rotated by the token's angles (or copied when there is no rotary embedding). */
+static inline void rotate(const llmc_attention *a, const float *x, float *dst, int64_t b, int64_t j) {
+    int64_t d = a->head_dim, rot = a->rotary_dim, half = rot / 2;
+    memcpy(dst, x, (size_t)d * sizeof(float));
+    if (rot == 0)
+        return;
+    const float *c = a->cos + b * a->cos_batch_stride + j * half;
+    const float *s = a->sin + b * a->cos_batch_stride + j * half;
+    if (a->interleaved) {
+        for (int64_t i = 0; i < half; i++) {
+            float x0 = x[2 * i], x1 = x[2 * i + 1];
+            dst[2 * i] = x0 * c[i] - x1 * s[i];
+            dst[2 * i + 1] = x1 * c[i] + x0 * s[i];
+        }
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            dst[i] = x[i] * c[i] - x[i + half] * s[i];
+            dst[i + half] = x[i + half] * c[i] + x[i] * s[i];
+        }
+    }
+}
+
+LLMC_CLONES
+void llmc_attention_write(const llmc_attention *a) {
+    int64_t d = a->head_dim, hkv = a->num_kv_heads, bs = a->block_size;
+    int64_t row = hkv * d, plane = a->num_blocks * bs * row;
+    for (int64_t b = 0; b < a->batch; b++) {
+        for (int64_t j = 0; j < a->query_lens[b]; j++) {
+            int64_t p = a->past_lens[b] + j, tok = b * a->seq + j;
+            int64_t blk = a->block_tables[b * a->max_blocks + p / bs];
+            float *kdst = a->cache + (blk * bs + p % bs) * row;
+            const float *k = a->k + tok * a->kv_stride, *v = a->v + tok * a->kv_stride;
+            for (int64_t h = 0; h < hkv; h++)
+                rotate(a, k + h * d, kdst + h * d, b, j);
+            memcpy(kdst + plane, v, (size_t)row * sizeof(float));
+        }
+    }
+}
+
+/* A task is (row b, KV head, query heads [h0, h0 + heads), query tile). Heads that share a KV
+ * head are done together so each key and value is loaded once for all of them; when that leaves
+ * too few tasks to occupy the threads (batch-1 decode), each query head is a task of its own. */
+static int64_t heads_per_task(const llmc_attention *a) {
+    int64_t group = a->num_heads / a->num_kv_heads;
+    return a->batch * a->num_kv_heads * ((a->seq + a->rows_per_task - 1) / a->rows_per_task) >= 8 ? group : 1;
+}
+
+int64_t llmc_attention_tasks(const llmc_attention *a) {
+    int64_t tiles = (a->seq + a->rows_per_task - 1) / a->rows_per_task;
+    return a->batch * (a->num_heads / heads_per_task(a)) * tiles;
+}
+
+/* The body, inlined per head_dim so that loops over it have a constant trip count. */
+static inline __attribute__((always_inline)) void attend(const llmc_attention *a, int64_t task, const int64_t d) {
+    int64_t bs = a->block_size, hkv = a->num_kv_heads, nh = heads_per_task(a);
+    int64_t tiles = (a->seq + a->rows_per_task - 1) / a->rows_per_task;
+    int64_t per_row = (a->num_heads / nh) * tiles;
+    int64_t b = task / per_row, h0 = (task % per_row) / tiles * nh, tile = task % tiles;
+    int64_t kvh = h0 / (a->num_heads / hkv);
+    int64_t j0 = tile * a->rows_per_task, j1 = j0 + a->rows_per_task;
+    int64_t out_stride = a->num_heads * d;
+    if (j1 > a->seq)
+        j1 = a->seq;
+    int64_t valid_end = a->query_lens[b] < j1 ? a->query_lens[b] : j1;
+    for (int64_t j = (valid_end > j0 ? valid_end : j0); j < j1; j++)  /* padding rows: zeros */
+        memset(a->out + (b * a->seq + j) * out_stride + h0 * d, 0, (size_t)(nh * d) * sizeof(float));
+    int64_t nq = valid_end - j0, rows = nh * nq;  /* row r = (head h0 + r / nq, query j0 + r % nq) */
+    if (nq <= 0)
+        return;
+
+    float *scratch = malloc((size_t)(rows * (2 * d + 2 + bs)) * sizeof(float));
+    float *restrict q = scratch, *restrict acc = q + rows * d, *restrict m = acc + rows * d;
+    float *restrict l = m + rows, *restrict s = l + rows;
+    int64_t past = a->past_lens[b];
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t j = j0 + r % nq;
+        rotate(a, a->q + (b * a->seq + j) * a->q_stride + (h0 + r / nq) * d, q + r * d, b, j);
+        for (int64_t i = 0; i < d; i++) {
+            q[r * d + i] *= a->scale;
+            acc[r * d + i] = 0.0f;
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    int64_t first = 0, last = past + valid_end - 1;
+    if (a->sliding_window > 0 && past + j0 - a->sliding_window + 1 > 0)
+        first = past + j0 - a->sliding_window + 1;
+    int64_t row = hkv * d, plane = a->num_blocks * bs * row;
+    const int32_t *table = a->block_tables + b * a->max_blocks;
+
+    for (int64_t t0 = first - first % bs; t0 <= last; t0 += bs) {
+        const float *restrict kb = a->cache + (int64_t)table[t0 / bs] * bs * row + kvh * d;
+        const float *restrict vb = kb + plane;
+        int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;  /* keys any row of the tile sees */
+        for (int64_t kk = 0; kk < n; kk++) {
+            const float *restrict key = kb + kk * row;
+            for (int64_t r = 0; r < rows; r++) {
+                const float *restrict qr = q + r * d;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < d; i++)
+                    dot += qr[i] * key[i];
+                s[r * bs + kk] = dot;
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t p = past + j0 + r % nq, t = p - t0;  /* the row's own position in the block */
+            int64_t lo = a->sliding_window > 0 ? p - a->sliding_window + 1 - t0 : 0;
+            int64_t k0 = lo > 0 ? lo : 0, k1 = t + 1 < n ? t + 1 : n;
+            float *restrict sr = s + r * bs;
+            if (k1 <= k0) {
+                for (int64_t kk = 0; kk < n; kk++)
+                    sr[kk] = 0.0f;
+                continue;
+            }
+            float best = m[r];
+            for (int64_t kk = k0; kk < k1; kk++) {
+                if (a->softcap > 0.0f)
+                    sr[kk] = a->softcap * tanhf(sr[kk] / a->softcap);
+                best = sr[kk] > best ? sr[kk] : best;
+            }
+            float correction = exp_f(m[r] - best), sum = 0.0f;
+            m[r] = best;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t kk = 0; kk < n; kk++) {
+                float w = (kk >= k0 && kk < k1) ? exp_f(sr[kk] - best) : 0.0f;
+                sr[kk] = w;
+                sum += w;
+            }
+            l[r] = l[r] * correction + sum;
+            float *restrict ar = acc + r * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++)
+                ar[i] *= correction;
+        }
+        for (int64_t kk = 0; kk < n; kk++) {
+            const float *restrict val = vb + kk * row;
+            for (int64_t r = 0; r < rows; r++) {
+                float w = s[r * bs + kk];
+                float *restrict ar = acc + r * d;
+#pragma omp simd
+                for (int64_t i = 0; i < d; i++)
+                    ar[i] += w * val[i];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = a->out + (b * a->seq + j0 + r % nq) * out_stride + (h0 + r / nq) * d;
+        float inv = 1.0f / l[r];
+        for (int64_t i = 0; i < d; i++)
+            dst[i] = acc[r * d + i] * inv;
+    }
+    free(scratch);
+}
+
+LLMC_CLONES
+void llmc_attention_task(const llmc_attention *a, int64_t task) {
+    switch (a->head_dim) {  /* the common head sizes get loops the compiler fully unrolls */
+    case 64: attend(a, task, 64); break;
+    case 128: attend(a, task, 128); break;
+    default: attend(a, task, a->head_dim);
+    }
+}
+
+LLMC_CLONES
+void llmc_swiglu_rows(const float *x, float *out, int64_t width, int64_t row0, int64_t row1) {
+    for (int64_t r = row0; r < row1; r++) {
+        const float *gate = x + r * 2 * width, *up = gate + width;
+        float *dst = out + r * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++)
+            dst[i] = gate[i] / (1.0f + exp_f(-gate[i])) * up[i];
+    }
+}

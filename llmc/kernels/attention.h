@@ -1,0 +1,42 @@
+/* The arithmetic of llmc's CPU kernels, free of ONNX Runtime: cpu_ops.c binds it to ORT's
+ * custom-op ABI. Semantics are those of llmc::PagedAttention (llmc/plugins/paged_attention.py,
+ * whose numpy `reference` is the oracle in tests), with two fusions its ORT lowering lacks:
+ * - the paged pool is read where it lies: no gathered copy of a row's blocks;
+ * - the rotary embedding of Q and K is applied on the way in (ONNX RotaryEmbedding semantics,
+ *   cos/sin given per token), and Q/K/V may arrive packed in one [B, S, (Hq + 2 Hkv) D] tensor,
+ *   which is what the merged QKV projection produces. */
+#ifndef LLMC_ATTENTION_H
+#define LLMC_ATTENTION_H
+
+#include <stdint.h>
+
+typedef struct {
+    int64_t batch, seq, num_heads, num_kv_heads, head_dim;
+    int64_t num_blocks, block_size, max_blocks;
+    /* Token (b, j) of Q starts at q + (b * seq + j) * q_stride; K and V likewise with kv_stride. */
+    const float *q, *k, *v;
+    int64_t q_stride, kv_stride;
+    /* Rotary embedding: cos/sin are [B or 1, S, rotary_dim / 2]; rotary_dim 0 means none. */
+    const float *cos, *sin;
+    int64_t rotary_dim, cos_batch_stride;
+    int interleaved;
+    float *cache; /* [2, num_blocks, block_size, num_kv_heads, head_dim], updated in place */
+    const int32_t *past_lens, *query_lens, *block_tables;
+    float *out; /* [B, S, num_heads * head_dim] */
+    float scale, softcap;
+    int64_t sliding_window;
+    int64_t rows_per_task;
+} llmc_attention;
+
+/* Checks the step's metadata against the pool; returns NULL or a message naming the problem. */
+const char *llmc_attention_check(const llmc_attention *a);
+/* Writes every valid token's (rotated) K and V into its block. Run before any attend task. */
+void llmc_attention_write(const llmc_attention *a);
+/* Number of independent attend tasks, and one task: (row, query head, tile of query rows). */
+int64_t llmc_attention_tasks(const llmc_attention *a);
+void llmc_attention_task(const llmc_attention *a, int64_t task);
+
+/* out[r, i] = silu(x[r, i]) * x[r, width + i] for rows [row0, row1): x is [rows, 2 * width]. */
+void llmc_swiglu_rows(const float *x, float *out, int64_t width, int64_t row0, int64_t row1);
+
+#endif

@@ -1,0 +1,327 @@
+/* ONNX Runtime custom-op library: domain "llmc.cpu", ops PagedAttention and SwiGLU.
+ * ORT calls RegisterCustomOps when a session registers this library; the kernels then run on
+ * ORT's intra-op thread pool (KernelContext_ParallelFor), so they share its threads and spinning
+ * settings instead of bringing threads of their own. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention.h"
+#include "ort_abi.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+static const OrtApi *api;
+
+#define CALL(slot, type, ...) (((type)api[slot])(__VA_ARGS__))
+
+static OrtStatus *error(const char *op, const char *message) {
+    char text[256];
+    snprintf(text, sizeof text, "llmc.cpu::%s: %s", op, message);
+    return CALL(ORT_CreateStatus, ort_create_status_fn, ORT_INVALID_ARGUMENT, text);
+}
+
+/* Propagate a failed ORT call. */
+#define TRY(expr)                     \
+    do {                              \
+        OrtStatus *status_ = (expr);  \
+        if (status_ != NULL)          \
+            return status_;           \
+    } while (0)
+
+typedef struct {
+    const OrtValue *value;
+    int64_t dims[8];
+    size_t rank;
+    int32_t type;
+} tensor;
+
+static OrtStatus *input(OrtKernelContext *ctx, size_t index, tensor *t) {
+    memset(t, 0, sizeof *t);
+    size_t count = 0;
+    TRY(CALL(ORT_KernelContext_GetInputCount, ort_get_count_fn, ctx, &count));
+    if (index >= count)
+        return NULL;
+    TRY(CALL(ORT_KernelContext_GetInput, ort_get_input_fn, ctx, index, &t->value));
+    if (t->value == NULL)
+        return NULL;
+    OrtTensorTypeAndShapeInfo *info;
+    TRY(CALL(ORT_GetTensorTypeAndShape, ort_get_type_shape_fn, t->value, &info));
+    OrtStatus *status = CALL(ORT_GetDimensionsCount, ort_get_dims_count_fn, info, &t->rank);
+    if (status == NULL && t->rank > 8)
+        status = error("input", "tensor rank above 8");
+    if (status == NULL)
+        status = CALL(ORT_GetDimensions, ort_get_dims_fn, info, t->dims, t->rank);
+    if (status == NULL)
+        status = CALL(ORT_GetTensorElementType, ort_get_elem_type_fn, info, &t->type);
+    CALL(ORT_ReleaseTensorTypeAndShapeInfo, ort_release_fn, info);
+    return status;
+}
+
+static OrtStatus *data(const OrtValue *value, void **out) {
+    return CALL(ORT_GetTensorMutableData, ort_get_data_fn, (OrtValue *)value, out);
+}
+
+static OrtStatus *output(OrtKernelContext *ctx, size_t index, const int64_t *dims, size_t rank, void **out) {
+    OrtValue *value;
+    TRY(CALL(ORT_KernelContext_GetOutput, ort_get_output_fn, ctx, index, dims, rank, &value));
+    return data(value, out);
+}
+
+static OrtStatus *parallel(OrtKernelContext *ctx, void (*fn)(void *, size_t), size_t total, void *arg) {
+    return CALL(ORT_KernelContext_ParallelFor, ort_parallel_for_fn, ctx, fn, total, 0, arg);
+}
+
+/* -- PagedAttention -------------------------------------------------------------------------- */
+
+enum { IN_Q, IN_K, IN_V, IN_CACHE, IN_PAST, IN_QLEN, IN_TABLES, IN_COS, IN_SIN, NUM_IN };
+
+typedef struct {
+    int64_t num_heads, num_kv_heads, sliding_window, interleaved;
+    float scale, softcap;
+} attention_kernel;
+
+static void attend_one(void *arg, size_t task) { llmc_attention_task((const llmc_attention *)arg, (int64_t)task); }
+
+static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
+    const attention_kernel *kernel = state;
+    const char *op = "PagedAttention";
+    tensor t[NUM_IN];
+    for (size_t i = 0; i < NUM_IN; i++)
+        TRY(input(ctx, i, &t[i]));
+    const tensor *q = &t[IN_Q], *cache = &t[IN_CACHE];
+    int packed = t[IN_K].value == NULL;
+    if (q->rank != 3 || q->type != ORT_FLOAT)
+        return error(op, "query must be float32 [batch, seq, heads * head_dim]");
+    if (cache->rank != 5 || cache->type != ORT_FLOAT || cache->dims[0] != 2)
+        return error(op, "kv_cache must be float32 [2, num_blocks, block_size, kv_heads, head_dim]");
+    llmc_attention a = {0};
+    a.batch = q->dims[0];
+    a.seq = q->dims[1];
+    a.num_heads = kernel->num_heads;
+    a.num_kv_heads = kernel->num_kv_heads;
+    a.num_blocks = cache->dims[1];
+    a.block_size = cache->dims[2];
+    a.head_dim = cache->dims[4];
+    if (cache->dims[3] != a.num_kv_heads || a.num_heads % a.num_kv_heads != 0)
+        return error(op, "kv_cache's head count does not match num_kv_heads");
+    int64_t d = a.head_dim, hq = a.num_heads * d, hkv = a.num_kv_heads * d;
+    if (q->dims[2] != (packed ? hq + 2 * hkv : hq))
+        return error(op, "query's last dim does not match the heads and head_dim");
+    if (!packed) {
+        for (int i = IN_K; i <= IN_V; i++)
+            if (t[i].rank != 3 || t[i].type != ORT_FLOAT || t[i].dims[0] != a.batch || t[i].dims[1] != a.seq ||
+                t[i].dims[2] != hkv)
+                return error(op, "key/value must be float32 [batch, seq, kv_heads * head_dim]");
+    }
+    const tensor *past = &t[IN_PAST], *qlen = &t[IN_QLEN], *tables = &t[IN_TABLES];
+    if (past->rank != 1 || qlen->rank != 1 || tables->rank != 2 || past->dims[0] != a.batch ||
+        qlen->dims[0] != a.batch || tables->dims[0] != a.batch || past->type != ORT_INT32 ||
+        qlen->type != ORT_INT32 || tables->type != ORT_INT32)
+        return error(op, "past_lens/query_lens [batch] and block_tables [batch, blocks] must be int32");
+    a.max_blocks = tables->dims[1];
+    if (t[IN_COS].value != NULL) {
+        const tensor *c = &t[IN_COS], *s = &t[IN_SIN];
+        if (s->value == NULL || c->rank != 3 || s->rank != 3 || c->type != ORT_FLOAT || s->type != ORT_FLOAT ||
+            memcmp(c->dims, s->dims, sizeof c->dims) != 0 || (c->dims[0] != a.batch && c->dims[0] != 1) ||
+            c->dims[1] != a.seq || 2 * c->dims[2] > d)
+            return error(op, "cos/sin must be float32 [batch or 1, seq, rotary_dim / 2] with rotary_dim <= head_dim");
+        a.rotary_dim = 2 * c->dims[2];
+        a.cos_batch_stride = c->dims[0] == 1 ? 0 : a.seq * c->dims[2];
+        TRY(data(c->value, (void **)&a.cos));
+        TRY(data(s->value, (void **)&a.sin));
+    }
+    a.interleaved = (int)kernel->interleaved;
+    a.scale = kernel->scale;
+    a.softcap = kernel->softcap;
+    a.sliding_window = kernel->sliding_window;
+
+    float *q_data, *cache_in;
+    TRY(data(q->value, (void **)&q_data));
+    a.q = q_data;
+    if (packed) {
+        a.q_stride = a.kv_stride = hq + 2 * hkv;
+        a.k = q_data + hq;
+        a.v = q_data + hq + hkv;
+    } else {
+        a.q_stride = hq;
+        a.kv_stride = hkv;
+        TRY(data(t[IN_K].value, (void **)&a.k));
+        TRY(data(t[IN_V].value, (void **)&a.v));
+    }
+    TRY(data(past->value, (void **)&a.past_lens));
+    TRY(data(qlen->value, (void **)&a.query_lens));
+    TRY(data(tables->value, (void **)&a.block_tables));
+    const char *problem = llmc_attention_check(&a);
+    if (problem != NULL)
+        return error(op, problem);
+
+    int64_t out_dims[3] = {a.batch, a.seq, hq};
+    TRY(output(ctx, 0, out_dims, 3, (void **)&a.out));
+    TRY(data(cache->value, (void **)&cache_in));
+    TRY(output(ctx, 1, cache->dims, 5, (void **)&a.cache));
+    if (a.cache != cache_in)  /* not aliased (e.g. a plain session.run): carry the pool over */
+        memcpy(a.cache, cache_in, (size_t)(2 * a.num_blocks * a.block_size * hkv) * sizeof(float));
+
+    llmc_attention_write(&a);
+    /* Decode rows attend one query each; prefill chunks take query rows in tiles that share
+     * each key block while it is in cache. */
+    a.rows_per_task = a.seq == 1 ? 1 : 16;
+    return parallel(ctx, attend_one, (size_t)llmc_attention_tasks(&a), &a);
+}
+
+/* -- SwiGLU ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    const float *x;
+    float *out;
+    int64_t width, rows, rows_per_task;
+} swiglu_job;
+
+static void swiglu_one(void *arg, size_t task) {
+    const swiglu_job *job = arg;
+    int64_t row0 = (int64_t)task * job->rows_per_task, row1 = row0 + job->rows_per_task;
+    llmc_swiglu_rows(job->x, job->out, job->width, row0, row1 < job->rows ? row1 : job->rows);
+}
+
+static OrtStatus *swiglu_compute(void *state, OrtKernelContext *ctx) {
+    (void)state;
+    tensor x;
+    TRY(input(ctx, 0, &x));
+    if (x.type != ORT_FLOAT || x.rank < 1 || x.dims[x.rank - 1] % 2 != 0)
+        return error("SwiGLU", "input must be float32 with an even last dim (gate then up)");
+    int64_t dims[8], rows = 1;
+    memcpy(dims, x.dims, sizeof dims);
+    dims[x.rank - 1] /= 2;
+    for (size_t i = 0; i + 1 < x.rank; i++)
+        rows *= x.dims[i];
+    swiglu_job job = {.width = dims[x.rank - 1], .rows = rows};
+    TRY(data(x.value, (void **)&job.x));
+    TRY(output(ctx, 0, dims, x.rank, (void **)&job.out));
+    /* A decode row is too little work to split; prefill rows go in groups of 8. */
+    job.rows_per_task = rows < 8 ? rows : 8;
+    if (rows == 0)
+        return NULL;
+    return parallel(ctx, swiglu_one, (size_t)((rows + job.rows_per_task - 1) / job.rows_per_task), &job);
+}
+
+/* -- the ops' descriptions --------------------------------------------------------------------- */
+
+static OrtStatus *read_int(const OrtKernelInfo *info, const char *name, int64_t fallback, int64_t *out) {
+    OrtStatus *status = CALL(ORT_KernelInfoGetAttribute_int64, ort_attr_int_fn, info, name, out);
+    if (status != NULL) {  /* absent: the default */
+        CALL(ORT_ReleaseStatus, ort_release_status_fn, status);
+        *out = fallback;
+    }
+    return NULL;
+}
+
+static OrtStatus *read_float(const OrtKernelInfo *info, const char *name, float fallback, float *out) {
+    OrtStatus *status = CALL(ORT_KernelInfoGetAttribute_float, ort_attr_float_fn, info, name, out);
+    if (status != NULL) {
+        CALL(ORT_ReleaseStatus, ort_release_status_fn, status);
+        *out = fallback;
+    }
+    return NULL;
+}
+
+static OrtStatus *attention_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
+                                   void **kernel_out) {
+    (void)op;
+    (void)ort;
+    attention_kernel *k = calloc(1, sizeof *k);
+    if (k == NULL)
+        return error("PagedAttention", "out of memory");
+    read_int(info, "num_heads", 0, &k->num_heads);
+    read_int(info, "num_kv_heads", 0, &k->num_kv_heads);
+    read_int(info, "sliding_window", 0, &k->sliding_window);
+    read_int(info, "rotary_interleaved", 0, &k->interleaved);
+    read_float(info, "scale", 1.0f, &k->scale);
+    read_float(info, "softcap", 0.0f, &k->softcap);
+    if (k->num_heads <= 0 || k->num_kv_heads <= 0) {
+        free(k);
+        return error("PagedAttention", "num_heads and num_kv_heads attributes must be positive");
+    }
+    *kernel_out = k;
+    return NULL;
+}
+
+static OrtStatus *swiglu_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
+                                void **kernel_out) {
+    (void)op;
+    (void)ort;
+    (void)info;
+    *kernel_out = calloc(1, 1);
+    return NULL;
+}
+
+static void destroy(void *kernel) { free(kernel); }
+static const char *cpu_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static int32_t float_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return ORT_FLOAT; }
+static int32_t mem_default(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
+static int no_variadic(const OrtCustomOp *op) { (void)op; return 0; }
+static int start_version(const OrtCustomOp *op) { (void)op; return 1; }
+static int end_version(const OrtCustomOp *op) { (void)op; return 2147483647; }
+static int32_t required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return ORT_REQUIRED; }
+
+static const char *attention_name(const OrtCustomOp *op) { (void)op; return "PagedAttention"; }
+static size_t attention_inputs(const OrtCustomOp *op) { (void)op; return NUM_IN; }
+static size_t two(const OrtCustomOp *op) { (void)op; return 2; }
+static int32_t attention_input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return (i == IN_PAST || i == IN_QLEN || i == IN_TABLES) ? ORT_INT32 : ORT_FLOAT;
+}
+static int32_t attention_input_kind(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return (i == IN_K || i == IN_V || i == IN_COS || i == IN_SIN) ? ORT_OPTIONAL : ORT_REQUIRED;
+}
+
+static const char *swiglu_name(const OrtCustomOp *op) { (void)op; return "SwiGLU"; }
+static size_t one(const OrtCustomOp *op) { (void)op; return 1; }
+
+static void describe(OrtCustomOp *op) {
+    op->version = LLMC_ORT_OP_VERSION;
+    op->GetExecutionProviderType = cpu_provider;
+    op->GetOutputType = float_type;
+    op->KernelDestroy = destroy;
+    op->GetOutputCharacteristic = required;
+    op->GetInputMemoryType = mem_default;
+    op->GetVariadicInputMinArity = no_variadic;
+    op->GetVariadicInputHomogeneity = no_variadic;
+    op->GetVariadicOutputMinArity = no_variadic;
+    op->GetVariadicOutputHomogeneity = no_variadic;
+    op->GetStartVersion = start_version;
+    op->GetEndVersion = end_version;
+}
+
+static OrtCustomOp attention_op, swiglu_op;
+
+EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
+    api = base->GetApi(LLMC_ORT_API_VERSION);
+    if (api == NULL)
+        return NULL;  /* an ORT older than the kernels need: ORT reports the unknown ops */
+    describe(&attention_op);
+    attention_op.CreateKernelV2 = attention_create;
+    attention_op.GetName = attention_name;
+    attention_op.GetInputType = attention_input_type;
+    attention_op.GetInputTypeCount = attention_inputs;
+    attention_op.GetOutputTypeCount = two;
+    attention_op.KernelComputeV2 = attention_compute;
+    attention_op.GetInputCharacteristic = attention_input_kind;
+
+    describe(&swiglu_op);
+    swiglu_op.CreateKernelV2 = swiglu_create;
+    swiglu_op.GetName = swiglu_name;
+    swiglu_op.GetInputType = float_type;
+    swiglu_op.GetInputTypeCount = one;
+    swiglu_op.GetOutputTypeCount = one;
+    swiglu_op.KernelComputeV2 = swiglu_compute;
+    swiglu_op.GetInputCharacteristic = required;
+
+    OrtCustomOpDomain *domain;
+    TRY(CALL(ORT_CreateCustomOpDomain, ort_create_domain_fn, "llmc.cpu", &domain));
+    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &attention_op));
+    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &swiglu_op));
+    return CALL(ORT_AddCustomOpDomain, ort_add_domain_fn, options, domain);
+}

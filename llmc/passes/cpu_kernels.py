@@ -1,0 +1,223 @@
+"""Rewrite onto llmc's own CPU kernels (`llmc.cpu` custom ops, llmc/kernels/).
+
+ONNX Runtime has no paged attention on CPU, and composing one from standard ops costs a
+gathered copy of every row's blocks per layer plus ~16 small nodes (docs/attention_cpu.md).
+The kernels take the tensors as the projections produce them:
+
+- paged_attention: `llmc::PagedAttention` -> `llmc.cpu::PagedAttention`, which writes the step's
+  K/V into the pool and attends over the row's blocks where they lie. Its inputs are
+  token-major ([B, S, H*D], what the projection MatMul writes), so the Reshape/Transpose pairs
+  around the op go. Two foldings ride along and are counted on their own:
+  - rope_fused: Q and K's `RotaryEmbedding` (same cos/sin) is applied inside the kernel;
+  - qkv_packed: when Q, K and V are the three parts of one Split of the merged projection,
+    the kernel reads the unsplit tensor and the Split's copy goes.
+- swiglu: `QuickGelu(gate) * up` over the two halves of the merged gate/up projection ->
+  `llmc.cpu::SwiGLU(gate_up)`: no Split copy, one pass over the row.
+
+Runs only where the kernel library is built (`llmc.kernels.library_path()`); otherwise the
+pass does nothing and says why, and ort-lower composes standard ops as before.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from llmc import kernels
+from llmc.ir_builder import OpBuilder
+from llmc.passes.base import BuildContext, RewriteRule, RulePass, const_ints, producer
+from llmc.passes.cleanup import remove_dead_code
+from llmc.plugins import paged_attention as pa
+
+HEADS_TO_TOKENS = (0, 2, 1, 3)  # [B, H, S, D] <-> [B, S, H, D]
+
+
+def _token_major(value: ir.Value) -> ir.Value | None:
+    """X when `value` is Transpose(Reshape(X, [B, S, H, D]), perm=[0, 2, 1, 3]) with X 3-D."""
+    transpose = producer(value, "Transpose")
+    if transpose is None or tuple(transpose.attributes.get_ints("perm", ())) != HEADS_TO_TOKENS:
+        return None
+    reshape = producer(transpose.inputs[0], "Reshape")
+    if reshape is None:
+        return None
+    source = reshape.inputs[0]
+    if source.shape is None or len(source.shape) != 3:
+        return None
+    return source
+
+
+def _rope(value: ir.Value):
+    """(inner value, RotaryEmbedding node) when `value` is a RotaryEmbedding's output over 4-D
+    [B, H, S, D] with per-token cos/sin (no position_ids), else (value, None)."""
+    node = producer(value, "RotaryEmbedding")
+    if node is None or (len(node.inputs) > 3 and node.inputs[3] is not None):
+        return value, None
+    return node.inputs[0], node
+
+
+def _rope_attrs(node: ir.Node) -> tuple[int, int]:
+    return node.attributes.get_int("interleaved", 0), node.attributes.get_int("rotary_embedding_dim", 0)
+
+
+def _splits_last_axis(split: ir.Node) -> bool:
+    axis, shape = split.attributes.get_int("axis", 0), split.inputs[0].shape
+    return axis == -1 or (shape is not None and axis == len(shape) - 1)
+
+
+def _packed_source(sources, ctx: BuildContext) -> ir.Value | None:
+    """The merged projection when Q, K, V are outputs 0, 1, 2 of one last-axis Split of it."""
+    split = producer(sources[0], "Split")
+    if split is None or [o for o in split.outputs] != list(sources):
+        return None
+    whole = split.inputs[0]
+    if not _splits_last_axis(split):
+        return None
+    spec = ctx.spec
+    sizes = const_ints(split.inputs[1]) if len(split.inputs) > 1 else None
+    want = [spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim]
+    return whole if sizes == want else None
+
+
+class PagedAttentionKernel(RewriteRule):
+    name = "paged_attention"
+
+    def match(self, node, ctx: BuildContext):
+        if node.domain != pa.DOMAIN or node.op_type != pa.OP_TYPE:
+            return None
+        q, rope_q = _rope(node.inputs[0])
+        k, rope_k = _rope(node.inputs[1])
+        return {"node": node, "q": q, "k": k, "v": node.inputs[2], "rope_q": rope_q, "rope_k": rope_k}
+
+    def check(self, m, ctx: BuildContext):
+        rope_q, rope_k = m["rope_q"], m["rope_k"]
+        if (rope_q is None) != (rope_k is None):
+            return "only one of Q and K has a RotaryEmbedding"
+        if rope_q is not None:
+            if list(rope_q.inputs[1:3]) != list(rope_k.inputs[1:3]):
+                return "Q and K rotate with different cos/sin"
+            if _rope_attrs(rope_q) != _rope_attrs(rope_k):
+                return "Q and K's RotaryEmbedding attributes differ"
+        return None
+
+    def rewrite(self, m, ctx: BuildContext, model: ir.Model):
+        node, graph = m["node"], model.graph
+        spec = ctx.spec
+        ops = OpBuilder(name_prefix=f"{node.name}_kernel_")
+        sources = []
+        for value in (m["q"], m["k"], m["v"]):
+            source = _token_major(value)
+            if source is None:  # not produced token-major: transpose it here
+                source = ops.Reshape(ops.Transpose(value, perm=HEADS_TO_TOKENS), ops.const([0, 0, -1]))
+            sources.append(source)
+        packed = _packed_source(sources, ctx)
+        qkv = [packed, None, None] if packed is not None else sources
+        rope = m["rope_q"]
+        cos_sin = list(rope.inputs[1:3]) if rope is not None else [None, None]
+        interleaved, rotary_dim = _rope_attrs(rope) if rope is not None else (0, 0)
+        if rotary_dim:
+            # Partial rotation: the kernel learns the rotated width from cos's last dim.
+            cos_sin = [ops.Slice(v, ops.const([0]), ops.const([rotary_dim // 2]), ops.const([-1]))
+                       for v in cos_sin]
+        attrs = {k: node.attributes[k].value for k in ("num_heads", "num_kv_heads", "scale",
+                                                       "sliding_window", "softcap")}
+        kernel = ir.Node(kernels.DOMAIN, "PagedAttention", [*qkv, *node.inputs[3:7], *cos_sin],
+                         attributes=[ir.convenience.convert_attribute(k, v) for k, v in
+                                     {**attrs, "rotary_interleaved": interleaved}.items()],
+                         num_outputs=2, name=f"{node.name}_kernel")
+        out, cache_out = kernel.outputs
+        out.name = f"{node.outputs[0].name}_tokens"
+        out.type = node.outputs[0].type
+        graph.insert_before(node, [*ops.nodes, kernel])
+
+        old_out, old_cache = node.outputs
+        merged = self._merged_heads(old_out, spec)
+        if merged is not None:
+            ir.convenience.replace_all_uses_with(merged, out)
+            reshape = merged.producer()
+            graph.remove([reshape, reshape.inputs[0].producer()], safe=True)
+        else:
+            back = OpBuilder(name_prefix=f"{node.name}_kernel_out_")
+            heads = back.Transpose(back.Reshape(out, back.const([0, 0, spec.num_heads, spec.head_dim])),
+                                   perm=HEADS_TO_TOKENS)
+            graph.insert_after(kernel, back.nodes)
+            ir.convenience.replace_all_uses_with(old_out, heads)
+        position = list(graph.outputs).index(old_cache)
+        name = old_cache.name
+        old_cache.name = f"{name}.replaced"
+        cache_out.name, cache_out.type, cache_out.shape = name, old_cache.type, old_cache.shape
+        graph.outputs[position] = cache_out
+        graph.remove(node, safe=True)
+        model.opset_imports[kernels.DOMAIN] = kernels.VERSION
+        return {"rope_fused": int(rope is not None), "qkv_packed": int(packed is not None)}
+
+    @staticmethod
+    def _merged_heads(value: ir.Value, spec) -> ir.Value | None:
+        """Reshape(Transpose(value, [0, 2, 1, 3]), [B, S, H*D]): the heads merged back, which is
+        exactly what the kernel writes."""
+        uses = value.uses()
+        if len(uses) != 1:
+            return None
+        transpose = uses[0].node
+        if transpose.op_type != "Transpose" or tuple(transpose.attributes.get_ints("perm", ())) != HEADS_TO_TOKENS:
+            return None
+        t_uses = transpose.outputs[0].uses()
+        if len(t_uses) != 1 or t_uses[0].node.op_type != "Reshape":
+            return None
+        merged = t_uses[0].node.outputs[0]
+        if merged.shape is None or len(merged.shape) != 3 or merged.shape[2] != spec.num_heads * spec.head_dim:
+            return None
+        return merged
+
+
+class SwiGLUKernel(RewriteRule):
+    name = "swiglu"
+
+    def match(self, node, ctx: BuildContext):
+        if node.op_type != "Mul" or node.domain not in ("", "ai.onnx"):
+            return None
+        for slot in (0, 1):
+            act = node.inputs[slot].producer() if node.inputs[slot] is not None else None
+            if act is not None and act.op_type == "QuickGelu" and act.domain == "com.microsoft":
+                return {"mul": node, "act": act, "gate": act.inputs[0], "up": node.inputs[1 - slot]}
+        return None
+
+    def check(self, m, ctx: BuildContext):
+        if m["act"].attributes.get_float("alpha", 1.702) != 1.0:
+            return "QuickGelu is not SiLU (alpha != 1)"
+        split = producer(m["gate"], "Split")
+        if split is None or list(split.outputs) != [m["gate"], m["up"]]:
+            return "gate and up are not the two halves of one Split"
+        if not _splits_last_axis(split):
+            return "the Split is not along the last axis"
+        sizes = const_ints(split.inputs[1]) if len(split.inputs) > 1 else None
+        if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1]:
+            return "gate and up are not equal halves"
+        if len(m["act"].outputs[0].uses()) != 1:
+            return "SiLU(gate) has other consumers"
+        m["whole"] = split.inputs[0]
+        return None
+
+    def rewrite(self, m, ctx: BuildContext, model: ir.Model):
+        mul = m["mul"]
+        kernel = ir.Node(kernels.DOMAIN, "SwiGLU", [m["whole"]], name=f"{mul.name}_swiglu")
+        out = kernel.outputs[0]
+        out.name, out.type, out.shape = f"{mul.outputs[0].name}_swiglu", mul.outputs[0].type, mul.outputs[0].shape
+        model.graph.insert_before(mul, kernel)
+        ir.convenience.replace_all_uses_with(mul.outputs[0], out)
+        model.graph.remove(mul, safe=True)
+        model.opset_imports[kernels.DOMAIN] = kernels.VERSION
+
+
+class CPUKernels(RulePass):
+    name = "cpu-kernels"
+    description = "run PagedAttention (with its RoPE and packed QKV) and SwiGLU on llmc's CPU kernels"
+    rules = (PagedAttentionKernel(), SwiGLUKernel())
+
+    def run(self, model: ir.Model, ctx: BuildContext):
+        from llmc.passes.base import PassResult
+
+        if kernels.library_path() is None:
+            return PassResult(False, {}, [f"llmc's CPU kernel library is not built ({kernels.MISSING_HINT})"])
+        return super().run(model, ctx)
+
+    def finish(self, model: ir.Model, ctx: BuildContext, counts) -> None:
+        remove_dead_code(model)

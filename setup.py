@@ -1,0 +1,19 @@
+"""Only the native part of the build; everything else is in pyproject.toml.
+
+llmc's CPU kernels (llmc/kernels/) compile into a shared library that ONNX Runtime loads as a
+custom-op library. The extension is optional: where no C compiler is found the install still
+succeeds and engines are built from standard ONNX ops instead.
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension(
+    "llmc.kernels._cpu_ops",
+    sources=["llmc/kernels/cpu_ops.c", "llmc/kernels/attention.c"],
+    depends=["llmc/kernels/attention.h", "llmc/kernels/ort_abi.h"],
+    # -fopenmp-simd honours the `omp simd` loops without linking an OpenMP runtime (ORT owns the
+    # threads); no -ffast-math: the kernels must match the reference to 1e-5.
+    extra_compile_args=["-O3", "-std=c11", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+                        "-fvisibility=hidden"],
+    optional=True,
+)])

@@ -1,0 +1,154 @@
+"""llmc's CPU kernels (llmc.cpu custom ops) in real ONNX Runtime sessions, against the numpy
+reference of llmc::PagedAttention, plus the errors users see around them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from llmc import kernels
+from llmc.errors import EngineError
+from llmc.plugins import paged_attention as pa
+
+pytestmark = pytest.mark.skipif(kernels.library_path() is None,
+                                reason="llmc's CPU kernel library is not built (no C compiler at install)")
+F32, I32 = TensorProto.FLOAT, TensorProto.INT32
+
+
+def _session(op_type: str, inputs: list[str], outputs: list[str], **attrs) -> ort.InferenceSession:
+    types = {"past": I32, "qlen": I32, "tables": I32}
+    node = helper.make_node(op_type, inputs, outputs, domain=kernels.DOMAIN, **attrs)
+    graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info(n, types.get(n, F32), None)
+                                                 for n in inputs if n],
+                              [helper.make_tensor_value_info(n, F32, None) for n in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid(kernels.DOMAIN, kernels.VERSION)])
+    model.ir_version = 10
+    opts = ort.SessionOptions()
+    kernels.register(opts)
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def _rotate(x, cos, sin, interleaved):
+    """ONNX RotaryEmbedding on [B, H, S, D] with per-token cos/sin [B, S, R/2]."""
+    rot, y = 2 * cos.shape[-1], x.copy()
+    c, s = cos[:, None], sin[:, None]
+    if interleaved:
+        x0, x1 = x[..., 0:rot:2], x[..., 1:rot:2]
+        y[..., 0:rot:2], y[..., 1:rot:2] = x0 * c - x1 * s, x1 * c + x0 * s
+    else:
+        x0, x1 = x[..., :rot // 2], x[..., rot // 2:rot]
+        y[..., :rot // 2], y[..., rot // 2:rot] = x0 * c - x1 * s, x1 * c + x0 * s
+    return y
+
+
+CASES = {
+    "decode-gqa": dict(seq=1, past=(37, 5, 0), qlen=(1, 1, 1), heads=9, kv_heads=3, head_dim=64, block=16),
+    "ragged-prefill-with-past": dict(seq=5, past=(0, 7, 3), qlen=(5, 1, 3)),
+    "long-prefill-chunk": dict(seq=40, past=(0, 20), qlen=(40, 33), heads=9, kv_heads=3, head_dim=64, block=16),
+    "unpacked": dict(packed=False),
+    "no-rope": dict(rotary=0),
+    "interleaved-rope": dict(interleaved=1),
+    "partial-rope": dict(rotary=8),
+    "sliding-window": dict(window=3, seq=6, past=(9, 2, 0), qlen=(6, 6, 4)),
+    "softcap": dict(softcap=2.0),
+    "mha-head-dim-32": dict(heads=4, kv_heads=4, head_dim=32),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_paged_attention_kernel_matches_the_reference(case):
+    c = dict(seq=5, past=(0, 7, 3), qlen=(5, 1, 3), heads=6, kv_heads=2, head_dim=16, block=4, packed=True,
+             rotary=-1, interleaved=0, window=0, softcap=0.0) | case
+    rng = np.random.default_rng(0)
+    batch, seq, h, hkv, d, bs = len(c["past"]), c["seq"], c["heads"], c["kv_heads"], c["head_dim"], c["block"]
+    rot = d if c["rotary"] < 0 else c["rotary"]
+    past, qlen = np.array(c["past"], np.int32), np.array(c["qlen"], np.int32)
+    width = int((past + seq).max() // bs + 1)
+    num_blocks = 1 + batch * width + 3
+    tables = rng.permutation(np.arange(1, num_blocks))[:batch * width].reshape(batch, width).astype(np.int32)
+    q, k, v = (rng.standard_normal((batch, seq, n * d), dtype=np.float32) for n in (h, hkv, hkv))
+    cache = rng.standard_normal((2, num_blocks, bs, hkv, d), dtype=np.float32)
+    angles = (past[:, None] + np.arange(seq))[..., None] / 10000 ** (np.arange(rot // 2) / max(rot // 2, 1))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+    names = ["q", "k", "v"] if not c["packed"] else ["q", "", ""]
+    names += ["cache", "past", "qlen", "tables"] + (["cos", "sin"] if rot else [])
+    sess = _session("PagedAttention", names, ["out", "cache_out"], num_heads=h, num_kv_heads=hkv, scale=0.3,
+                    sliding_window=c["window"], softcap=c["softcap"], rotary_interleaved=c["interleaved"])
+    feeds = {"q": np.concatenate([q, k, v], -1) if c["packed"] else q, "k": k, "v": v, "cache": cache,
+             "past": past, "qlen": qlen, "tables": tables, "cos": cos, "sin": sin}
+    kept = cache.copy()
+    out, cache_out = sess.run(None, {n: feeds[n] for n in names if n})
+    np.testing.assert_array_equal(cache, kept)  # not aliased: the kernel wrote a copy, not its input
+
+    heads = [x.reshape(batch, seq, n, d).transpose(0, 2, 1, 3) for x, n in ((q, h), (k, hkv), (v, hkv))]
+    if rot:
+        heads[0], heads[1] = (_rotate(x, cos, sin, c["interleaved"]) for x in heads[:2])
+    ref_out, ref_cache = pa.reference(*heads, cache, past, qlen, tables, num_heads=h, num_kv_heads=hkv, scale=0.3,
+                                      sliding_window=c["window"], softcap=c["softcap"])
+    ref_out = ref_out.transpose(0, 2, 1, 3).reshape(batch, seq, h * d)
+    valid = np.arange(seq)[None] < qlen[:, None]
+    np.testing.assert_allclose(out[valid], ref_out[valid], atol=1e-5, rtol=0)
+    assert not out[~valid].any()  # padding positions are zeros
+    np.testing.assert_array_equal(cache_out[:, 1:], ref_cache[:, 1:])  # block 0 is scratch
+
+
+def test_paged_attention_kernel_rejects_bad_metadata_with_a_message():
+    sess = _session("PagedAttention", ["q", "", "", "cache", "past", "qlen", "tables"], ["out", "cache_out"],
+                    num_heads=2, num_kv_heads=1, scale=1.0)
+    feeds = {"q": np.zeros((1, 1, 16), np.float32), "cache": np.zeros((2, 3, 4, 1, 4), np.float32),
+             "past": np.array([5], np.int32), "qlen": np.array([1], np.int32),
+             "tables": np.array([[1, 7]], np.int32)}
+    with pytest.raises(Exception, match="block_tables names a block outside the KV pool"):
+        sess.run(None, feeds)
+    feeds["tables"] = np.array([[1]], np.int32)  # position 5 needs a second block
+    with pytest.raises(Exception, match="block_tables has fewer columns"):
+        sess.run(None, feeds)
+    feeds["q"] = np.zeros((1, 1, 15), np.float32)
+    with pytest.raises(Exception, match="query's last dim"):
+        sess.run(None, feeds)
+
+
+@pytest.mark.parametrize("rows", [1, 37])
+def test_swiglu_kernel(rows):
+    x = np.random.default_rng(rows).standard_normal((1, rows, 2 * 24), dtype=np.float32) * 4
+    out, = _session("SwiGLU", ["x"], ["y"]).run(None, {"x": x})
+    gate, up = x[..., :24].astype(np.float64), x[..., 24:]
+    np.testing.assert_allclose(out, gate / (1 + np.exp(-gate)) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_the_pass_stands_aside_without_the_library(monkeypatch):
+    from llmc.passes import BuildContext, make_passes
+    from llmc.spec import ModelSpec
+    import onnx_ir as ir
+
+    monkeypatch.setenv(kernels.LIBRARY_ENV, "")
+    spec = ModelSpec(family="llama", architecture="LlamaForCausalLM", num_layers=1, hidden_size=8, num_heads=2,
+                     num_kv_heads=1, head_dim=4, intermediate_size=16, vocab_size=32, max_position_embeddings=64,
+                     rope_theta=1e4, norm_eps=1e-6, activation="silu", tie_word_embeddings=False)
+    result = make_passes(["cpu-kernels"])[0].run(ir.Model(ir.Graph([], [], nodes=[]), ir_version=10),
+                                                 BuildContext(spec))
+    assert not result.changed and "not built" in result.misses[0]
+
+
+def test_an_engine_that_needs_the_kernels_fails_clearly_without_them(llama_engine, tmp_path, monkeypatch):
+    from llmc.runtime.engine import Engine
+
+    manifest = json.loads((llama_engine / "manifest.json").read_text())
+    assert manifest["backend"]["custom_ops"] == [kernels.DOMAIN]
+    monkeypatch.setenv(kernels.LIBRARY_ENV, "")
+    with pytest.raises(EngineError, match="--disable-pass cpu-kernels") as err:
+        Engine(llama_engine)
+    assert "\n" not in str(err.value)
+    # A library that ORT cannot load (here: not a shared object) is named as such, in one line.
+    bogus = tmp_path / "libbogus.so"
+    shutil.copy(llama_engine / "manifest.json", bogus)
+    monkeypatch.setenv(kernels.LIBRARY_ENV, str(bogus))
+    with pytest.raises(EngineError, match="cannot load llmc's CPU kernels"):
+        Engine(llama_engine)
