@@ -58,6 +58,13 @@ CASES = {
     "sliding-window": dict(window=3, seq=6, past=(9, 2, 0), qlen=(6, 6, 4)),
     "softcap": dict(softcap=2.0),
     "mha-head-dim-32": dict(heads=4, kv_heads=4, head_dim=32),
+    # The kernel specializes (head_dim, block) pairs and blocks rows by 8/4/2/1 per step: cover
+    # each specialization with row counts that leave remainders.
+    "prefill-head-dim-16-block-16": dict(seq=21, past=(0, 3), qlen=(21, 17), heads=4, kv_heads=2, head_dim=16,
+                                         block=16),
+    "prefill-head-dim-128-block-16": dict(seq=13, past=(0, 9), qlen=(13, 10), heads=6, kv_heads=2, head_dim=128,
+                                          block=16),
+    "decode-head-dim-48-block-8": dict(seq=1, past=(3, 30), qlen=(1, 1), heads=10, kv_heads=5, head_dim=48, block=8),
 }
 
 

@@ -13,7 +13,12 @@
 #define LLMC_CLONES
 #endif
 
-#define MAX_TILE 16
+/* 16 floats: one AVX-512 register (two AVX2 ones in the avx2 clone). GCC's vector extension
+ * keeps the register-blocked loops below portable across the clones. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+#define VLOAD(p) (*(const v16u *)(p))
+#define VSTORE(p, v) (*(v16u *)(p) = (v))
 
 /* exp(x) for x <= 88: 2^n * e^y with |y| <= ln2/2 and a degree-7 Taylor polynomial (relative
  * error ~1e-8, under float rounding). Plain arithmetic, so loops calling it vectorize. */
@@ -105,9 +110,51 @@ int64_t llmc_attention_tasks(const llmc_attention *a) {
     return a->batch * (a->num_heads / heads_per_task(a)) * tiles;
 }
 
-/* The body, inlined per head_dim so that loops over it have a constant trip count. */
-static inline __attribute__((always_inline)) void attend(const llmc_attention *a, int64_t task, const int64_t d) {
-    int64_t bs = a->block_size, hkv = a->num_kv_heads, nh = heads_per_task(a);
+/* Rows at or above which a task transposes each key block before scoring it (see below). */
+#define TRANSPOSE_ROWS 8
+
+/* Scores of R rows against a transposed 16-key block kt [d, 16]: R independent FMA chains, one
+ * key-vector load feeding R of them. */
+static inline __attribute__((always_inline)) void scores16(const float *restrict q, const float *restrict kt,
+                                                           float *restrict s, const int64_t d, const int R) {
+    v16 acc[R];
+    for (int r = 0; r < R; r++)
+        acc[r] = (v16){0};
+    for (int64_t i = 0; i < d; i++) {
+        v16 k = VLOAD(kt + i * 16);
+        for (int r = 0; r < R; r++)
+            acc[r] += q[r * d + i] * k;
+    }
+    for (int r = 0; r < R; r++)
+        VSTORE(s + r * 16, acc[r]);
+}
+
+/* acc[R, d] += w[R, n] @ V[n, d] with the R accumulator rows held in registers over all n keys. */
+static inline __attribute__((always_inline)) void weigh_values(float *restrict acc, const float *restrict w,
+                                                               int64_t w_stride, const float *restrict vb,
+                                                               int64_t row, int64_t n, const int64_t d, const int R) {
+    const int64_t V = d / 16;
+    v16 a[R][V];
+    for (int r = 0; r < R; r++)
+        for (int64_t v = 0; v < V; v++)
+            a[r][v] = VLOAD(acc + r * d + v * 16);
+    for (int64_t kk = 0; kk < n; kk++) {
+        const float *val = vb + kk * row;
+        for (int r = 0; r < R; r++) {
+            float wr = w[r * w_stride + kk];
+            for (int64_t v = 0; v < V; v++)
+                a[r][v] += wr * VLOAD(val + v * 16);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int64_t v = 0; v < V; v++)
+            VSTORE(acc + r * d + v * 16, a[r][v]);
+}
+
+/* The body, inlined per (head_dim, block_size) so loops over them have constant trip counts. */
+static inline __attribute__((always_inline)) void attend(const llmc_attention *a, int64_t task, const int64_t d,
+                                                         const int64_t bs) {
+    int64_t hkv = a->num_kv_heads, nh = heads_per_task(a);
     int64_t tiles = (a->seq + a->rows_per_task - 1) / a->rows_per_task;
     int64_t per_row = (a->num_heads / nh) * tiles;
     int64_t b = task / per_row, h0 = (task % per_row) / tiles * nh, tile = task % tiles;
@@ -123,9 +170,9 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
     if (nq <= 0)
         return;
 
-    float *scratch = malloc((size_t)(rows * (2 * d + 2 + bs)) * sizeof(float));
+    float *scratch = malloc((size_t)(rows * (2 * d + 2 + bs) + d * bs) * sizeof(float));
     float *restrict q = scratch, *restrict acc = q + rows * d, *restrict m = acc + rows * d;
-    float *restrict l = m + rows, *restrict s = l + rows;
+    float *restrict l = m + rows, *restrict s = l + rows, *restrict kt = s + rows * bs;
     int64_t past = a->past_lens[b];
     for (int64_t r = 0; r < rows; r++) {
         int64_t j = j0 + r % nq;
@@ -147,15 +194,43 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
         const float *restrict kb = a->cache + (int64_t)table[t0 / bs] * bs * row + kvh * d;
         const float *restrict vb = kb + plane;
         int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;  /* keys any row of the tile sees */
-        for (int64_t kk = 0; kk < n; kk++) {
-            const float *restrict key = kb + kk * row;
-            for (int64_t r = 0; r < rows; r++) {
-                const float *restrict qr = q + r * d;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
+        if (rows >= TRANSPOSE_ROWS) {
+            /* Many rows (prefill tiles): transpose the block to [d, bs] once, then each row's
+             * scores are bs-wide vector FMAs with no horizontal sums. */
+            for (int64_t kk = 0; kk < bs; kk++)
                 for (int64_t i = 0; i < d; i++)
-                    dot += qr[i] * key[i];
-                s[r * bs + kk] = dot;
+                    kt[i * bs + kk] = kk < n ? kb[kk * row + i] : 0.0f;
+            int64_t r = 0;
+            if (bs == 16) {
+                for (; r + 8 <= rows; r += 8)
+                    scores16(q + r * d, kt, s + r * bs, d, 8);
+                for (; r < rows; r++)
+                    scores16(q + r * d, kt, s + r * bs, d, 1);
+            }
+            for (; r < rows; r++) {
+                const float *restrict qr = q + r * d;
+                float *restrict sr = s + r * bs;
+                for (int64_t kk = 0; kk < bs; kk++)
+                    sr[kk] = 0.0f;
+                for (int64_t i = 0; i < d; i++) {
+                    float qi = qr[i];
+#pragma omp simd
+                    for (int64_t kk = 0; kk < bs; kk++)
+                        sr[kk] += qi * kt[i * bs + kk];
+                }
+            }
+        } else {
+            /* A few rows (decode): one dot product per key and row, the key loaded once for all. */
+            for (int64_t kk = 0; kk < n; kk++) {
+                const float *restrict key = kb + kk * row;
+                for (int64_t r = 0; r < rows; r++) {
+                    const float *restrict qr = q + r * d;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t i = 0; i < d; i++)
+                        dot += qr[i] * key[i];
+                    s[r * bs + kk] = dot;
+                }
             }
         }
         for (int64_t r = 0; r < rows; r++) {
@@ -188,11 +263,22 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
             for (int64_t i = 0; i < d; i++)
                 ar[i] *= correction;
         }
-        for (int64_t kk = 0; kk < n; kk++) {
-            const float *restrict val = vb + kk * row;
-            for (int64_t r = 0; r < rows; r++) {
+        int64_t r = 0;
+        if (d % 16 == 0 && d <= 128) {  /* up to 4 rows of 64 or 2 of 128: <= 16 accumulator registers */
+            for (; r + (d <= 64 ? 4 : 2) <= rows; r += d <= 64 ? 4 : 2)
+                weigh_values(acc + r * d, s + r * bs, bs, vb, row, n, d, d <= 64 ? 4 : 2);
+            if (rows - r == 3)  /* a decode task's GQA group of 3 heads */
+                weigh_values(acc + r * d, s + r * bs, bs, vb, row, n, d, 3), r += 3;
+            else if (rows - r == 2)
+                weigh_values(acc + r * d, s + r * bs, bs, vb, row, n, d, 2), r += 2;
+            for (; r < rows; r++)
+                weigh_values(acc + r * d, s + r * bs, bs, vb, row, n, d, 1);
+        }
+        for (; r < rows; r++) {
+            float *restrict ar = acc + r * d;
+            for (int64_t kk = 0; kk < n; kk++) {
+                const float *restrict val = vb + kk * row;
                 float w = s[r * bs + kk];
-                float *restrict ar = acc + r * d;
 #pragma omp simd
                 for (int64_t i = 0; i < d; i++)
                     ar[i] += w * val[i];
@@ -210,11 +296,13 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
 
 LLMC_CLONES
 void llmc_attention_task(const llmc_attention *a, int64_t task) {
-    switch (a->head_dim) {  /* the common head sizes get loops the compiler fully unrolls */
-    case 64: attend(a, task, 64); break;
-    case 128: attend(a, task, 128); break;
-    default: attend(a, task, a->head_dim);
-    }
+    /* The common shapes get loops the compiler fully unrolls and keeps in registers. */
+    if (a->block_size == 16 && a->head_dim == 64)
+        attend(a, task, 64, 16);
+    else if (a->block_size == 16 && a->head_dim == 128)
+        attend(a, task, 128, 16);
+    else
+        attend(a, task, a->head_dim, a->block_size);
 }
 
 LLMC_CLONES

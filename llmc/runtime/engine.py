@@ -9,6 +9,7 @@ proportional to the pool is copied.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from llmc.spec import ModelSpec
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 BACKENDS = ("onnxruntime",)
 GRAPH_OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")  # ORT's, by our short names
+STEP_INPUTS = ("input_ids", "position_ids", "past_lens", "query_lens", "block_tables")
 
 
 def _import_ort():
@@ -100,7 +102,8 @@ class Engine:
             self._pools.append((pool, value))
             self._binding.bind_ortvalue_input(cache_in, value)
             self._binding.bind_ortvalue_output(cache_out, value)
-        self._logits_bufs: dict[int, np.ndarray] = {}
+        self._steps: dict[tuple[int, int, int], _StepBuffers] = {}
+        self._bound: _StepBuffers | None = None
 
     def _pool_blocks(self, blocks: int | None, budget: int | None) -> int:
         if blocks is not None:
@@ -125,21 +128,43 @@ class Engine:
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, past_lens: np.ndarray,
                 query_lens: np.ndarray, block_tables: np.ndarray) -> np.ndarray:
-        """One step; returns logits [B, V] (or [B, S, V] for an all-positions engine)."""
-        b = self._binding
-        b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
-        b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, np.int64))
-        b.bind_cpu_input("past_lens", np.ascontiguousarray(past_lens, np.int32))
-        b.bind_cpu_input("query_lens", np.ascontiguousarray(query_lens, np.int32))
-        b.bind_cpu_input("block_tables", np.ascontiguousarray(block_tables, np.int32))
+        """One step; returns logits [B, V] (or [B, S, V] for an all-positions engine). The logits
+        buffer is reused by the next step of the same shape: copy what must outlive it."""
         batch, seq = input_ids.shape
-        shape = (batch, self.spec.vocab_size) if self.last_token_logits else (batch, seq, self.spec.vocab_size)
-        logits = self._logits_bufs.get(shape)
-        if logits is None:
-            logits = self._logits_bufs[shape] = np.empty(shape, np.float32)
-        b.bind_output("logits", "cpu", 0, np.float32, list(shape), logits.ctypes.data)
-        self.session.run_with_iobinding(b)
-        return logits
+        step = self._step_buffers(batch, seq, block_tables.shape[1])
+        for name, value in zip(STEP_INPUTS, (input_ids, position_ids, past_lens, query_lens, block_tables)):
+            np.copyto(step.inputs[name], value, casting="unsafe")
+        self.session.run_with_iobinding(self._binding)
+        return step.logits
+
+    def _step_buffers(self, batch: int, seq: int, width: int) -> "_StepBuffers":
+        """Input and logits buffers for a step shape, bound to the session. Consecutive steps of one
+        shape (a steady decode batch) bind nothing: they only fill the bound arrays in place."""
+        key = (batch, seq, width)
+        step = self._steps.get(key)
+        if step is None:
+            if len(self._steps) >= 16:  # shapes come and go with the batch; keep the recent ones
+                self._steps.pop(next(iter(self._steps)))
+            vocab = self.spec.vocab_size
+            step = self._steps[key] = _StepBuffers(
+                inputs={"input_ids": np.zeros((batch, seq), np.int64), "position_ids": np.zeros((batch, seq), np.int64),
+                        "past_lens": np.zeros(batch, np.int32), "query_lens": np.zeros(batch, np.int32),
+                        "block_tables": np.zeros((batch, width), np.int32)},
+                logits=np.empty((batch, vocab) if self.last_token_logits else (batch, seq, vocab), np.float32))
+        if self._bound is not step:
+            ort = _import_ort()
+            for name, array in step.inputs.items():
+                self._binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+            self._binding.bind_output("logits", "cpu", 0, np.float32, list(step.logits.shape),
+                                      step.logits.ctypes.data)
+            self._bound = step
+        return step
+
+
+@dataclass
+class _StepBuffers:
+    inputs: dict[str, np.ndarray]
+    logits: np.ndarray
 
 
 def _physical_cores() -> int:
