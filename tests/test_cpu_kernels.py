@@ -21,7 +21,7 @@ F32, I32 = TensorProto.FLOAT, TensorProto.INT32
 
 
 def _session(op_type: str, inputs: list[str], outputs: list[str], **attrs) -> ort.InferenceSession:
-    types = {"past": I32, "qlen": I32, "tables": I32}
+    types = {"past": I32, "qlen": I32, "tables": I32}  # everything else is float32
     node = helper.make_node(op_type, inputs, outputs, domain=kernels.DOMAIN, **attrs)
     graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info(n, types.get(n, F32), None)
                                                  for n in inputs if n],
@@ -104,6 +104,20 @@ def test_paged_attention_kernel_matches_the_reference(case):
     np.testing.assert_allclose(out[valid], ref_out[valid], atol=1e-5, rtol=0)
     assert not out[~valid].any()  # padding positions are zeros
     np.testing.assert_array_equal(cache_out[:, 1:], ref_cache[:, 1:])  # block 0 is scratch
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (3, 40, 70), (8, 64, 32), (13, 17, 5), (37, 96, 100)])
+def test_packed_matmul_matches_numpy(rows, k, n):
+    """Every row-tile size (8/4/1) and a partial last column panel."""
+    from llmc.passes.cpu_kernels import pack_weight
+
+    rng = np.random.default_rng(rows)
+    x, w = rng.standard_normal((1, rows, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+    sess = _session("PackedMatMul", ["x", "w"], ["y"], n=n)
+    y, = sess.run(None, {"x": x, "w": pack_weight(w)})
+    np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="does not match the weight's K"):
+        sess.run(None, {"x": x[..., 1:].copy(), "w": pack_weight(w)})
 
 
 def test_paged_attention_kernel_rejects_bad_metadata_with_a_message():

@@ -20,7 +20,7 @@ from llmc.passes.merge_matmuls import MergeSiblingMatMuls
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling import SamplingParams
 
-FUSION_PASSES = ("merge-matmuls", "ort-fusions", "cpu-kernels", "simplify-layout")
+FUSION_PASSES = ("merge-matmuls", "ort-fusions", "cpu-kernels", "simplify-layout", "packed-matmul")
 needs_kernels = pytest.mark.skipif(kernels.library_path() is None,
                                    reason="llmc's CPU kernel library is not built (no C compiler at install)")
 
@@ -38,6 +38,7 @@ def _expected_counts(layers: int, tied: bool, with_kernels: bool) -> dict[str, d
         counts["cpu-kernels"] = {"paged_attention": layers, "rope_fused": layers, "qkv_packed": layers,
                                  "swiglu": layers}
         counts["simplify-layout"] = layout
+        counts["packed-matmul"] = {"packed_matmul": 4 * layers + 1}  # every projection and the LM head
     else:
         # Q and K each go through RoPE; V and the attention output each had a transpose pair.
         counts["simplify-layout"] = {**layout, "rope_3d": 2 * layers, "transpose_pair": 2 * layers,
@@ -56,7 +57,7 @@ def _ops(engine_dir) -> Counter:
     ("tiny-llama", False),  # the standard-op realization (ort-lower) stays correct too
 ])
 def test_fusions_fire_and_the_engine_still_matches_hf(recipe, with_kernels, engines, hf_models):
-    engine_dir = engines(recipe) if with_kernels else engines(recipe, "cpu-kernels")
+    engine_dir = engines(recipe) if with_kernels else engines(recipe, "cpu-kernels", "packed-matmul")
     manifest = json.loads((engine_dir / "manifest.json").read_text())
     spec = manifest["model_spec"]
     layers = spec["num_layers"]
@@ -68,7 +69,8 @@ def test_fusions_fire_and_the_engine_still_matches_hf(recipe, with_kernels, engi
     assert (manifest["backend"]["custom_ops"] == [kernels.DOMAIN]) == with_kernels
 
     ops = _ops(engine_dir)
-    assert ops["MatMul"] == 4 * layers + 1  # qkv, o, gate_up, down per layer, and the LM head
+    # qkv, o, gate_up, down per layer, and the LM head: on llmc's packed GEMM with the kernels
+    assert ops["PackedMatMul" if with_kernels else "MatMul"] == 4 * layers + 1
     assert ops["SkipSimplifiedLayerNormalization"] == 2 * layers
     assert ops["Transpose"] == 0 and ops["Sigmoid"] == 0
     if with_kernels:
@@ -105,7 +107,7 @@ def test_fusions_off_same_outputs_and_misses_are_listed(tmp_path, llama_engine):
     assert result.exit_code == 0, result.output
     plain = tmp_path / "plain"
     ops = _ops(plain)
-    assert ops["MatMul"] > _ops(llama_engine)["MatMul"] and ops["SkipSimplifiedLayerNormalization"] == 0
+    assert ops["MatMul"] > 4 * 2 + 1 and ops["SkipSimplifiedLayerNormalization"] == 0 and ops["PackedMatMul"] == 0
 
     prompts = [np.random.default_rng(i).integers(3, 1000, n).tolist() for i, n in enumerate((7, 30))]
     params = SamplingParams(max_tokens=32, ignore_eos=True)

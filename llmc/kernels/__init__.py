@@ -14,6 +14,7 @@ from pathlib import Path
 
 DOMAIN = "llmc.cpu"
 VERSION = 1
+PANEL = 32  # PackedMatMul's column panel width (LLMC_PANEL in kernels.h)
 # Points at another build of the library; set to "" to build and run without it.
 LIBRARY_ENV = "LLMC_CPU_KERNELS"
 MISSING_HINT = "reinstall llmc where a C compiler is available: pip install -e ."

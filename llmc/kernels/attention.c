@@ -1,7 +1,7 @@
 /* See attention.h. Written for the compiler's vectorizer: the inner loops run over head_dim or a
  * block's keys with `omp simd` (built with -fopenmp-simd, no OpenMP runtime), and each function
  * is cloned for AVX-512, AVX2 and baseline x86-64 so one build runs on any x86 CPU. */
-#include "attention.h"
+#include "kernels.h"
 
 #include <math.h>
 #include <stdlib.h>

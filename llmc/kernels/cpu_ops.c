@@ -1,4 +1,4 @@
-/* ONNX Runtime custom-op library: domain "llmc.cpu", ops PagedAttention and SwiGLU.
+/* ONNX Runtime custom-op library: domain "llmc.cpu", ops PagedAttention, SwiGLU, PackedMatMul.
  * ORT calls RegisterCustomOps when a session registers this library; the kernels then run on
  * ORT's intra-op thread pool (KernelContext_ParallelFor), so they share its threads and spinning
  * settings instead of bringing threads of their own. */
@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "attention.h"
+#include "kernels.h"
 #include "ort_abi.h"
 
 #define EXPORT __attribute__((visibility("default")))
@@ -206,6 +206,48 @@ static OrtStatus *swiglu_compute(void *state, OrtKernelContext *ctx) {
     return parallel(ctx, swiglu_one, (size_t)((rows + job.rows_per_task - 1) / job.rows_per_task), &job);
 }
 
+/* -- PackedMatMul ------------------------------------------------------------------------------ */
+
+typedef struct {
+    int64_t n;
+} linear_kernel;
+
+typedef struct {
+    const float *x, *w;
+    float *y;
+    int64_t m, k, n;
+} linear_job;
+
+static void linear_one(void *arg, size_t panel) {
+    const linear_job *job = arg;
+    llmc_linear_panels(job->x, job->w, job->y, job->m, job->k, job->n, (int64_t)panel, (int64_t)panel + 1);
+}
+
+static OrtStatus *linear_compute(void *state, OrtKernelContext *ctx) {
+    const linear_kernel *kernel = state;
+    const char *op = "PackedMatMul";
+    tensor x, w;
+    TRY(input(ctx, 0, &x));
+    TRY(input(ctx, 1, &w));
+    if (w.type != ORT_FLOAT || w.rank != 3 || w.dims[2] != LLMC_PANEL || w.dims[0] * LLMC_PANEL < kernel->n ||
+        (w.dims[0] - 1) * LLMC_PANEL >= kernel->n)
+        return error(op, "weight must be float32 [ceil(n / 32), K, 32] (packed by llmc build)");
+    if (x.type != ORT_FLOAT || x.rank < 1 || x.dims[x.rank - 1] != w.dims[1])
+        return error(op, "input's last dim does not match the weight's K");
+    linear_job job = {.k = w.dims[1], .n = kernel->n, .m = 1};
+    int64_t dims[8];
+    memcpy(dims, x.dims, sizeof dims);
+    dims[x.rank - 1] = kernel->n;
+    for (size_t i = 0; i + 1 < x.rank; i++)
+        job.m *= x.dims[i];
+    TRY(data(x.value, (void **)&job.x));
+    TRY(data(w.value, (void **)&job.w));
+    TRY(output(ctx, 0, dims, x.rank, (void **)&job.y));
+    if (job.m == 0)
+        return NULL;
+    return parallel(ctx, linear_one, (size_t)w.dims[0], &job);
+}
+
 /* -- the ops' descriptions --------------------------------------------------------------------- */
 
 static OrtStatus *read_int(const OrtKernelInfo *info, const char *name, int64_t fallback, int64_t *out) {
@@ -256,6 +298,22 @@ static OrtStatus *swiglu_create(const OrtCustomOp *op, const OrtApi *ort, const 
     return NULL;
 }
 
+static OrtStatus *linear_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
+                                void **kernel_out) {
+    (void)op;
+    (void)ort;
+    linear_kernel *k = calloc(1, sizeof *k);
+    if (k == NULL)
+        return error("PackedMatMul", "out of memory");
+    read_int(info, "n", 0, &k->n);
+    if (k->n <= 0) {
+        free(k);
+        return error("PackedMatMul", "attribute n (output columns) must be positive");
+    }
+    *kernel_out = k;
+    return NULL;
+}
+
 static void destroy(void *kernel) { free(kernel); }
 static const char *cpu_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int32_t float_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return ORT_FLOAT; }
@@ -278,6 +336,7 @@ static int32_t attention_input_kind(const OrtCustomOp *op, size_t i) {
 }
 
 static const char *swiglu_name(const OrtCustomOp *op) { (void)op; return "SwiGLU"; }
+static const char *linear_name(const OrtCustomOp *op) { (void)op; return "PackedMatMul"; }
 static size_t one(const OrtCustomOp *op) { (void)op; return 1; }
 
 static void describe(OrtCustomOp *op) {
@@ -295,7 +354,7 @@ static void describe(OrtCustomOp *op) {
     op->GetEndVersion = end_version;
 }
 
-static OrtCustomOp attention_op, swiglu_op;
+static OrtCustomOp attention_op, swiglu_op, linear_op;
 
 EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(LLMC_ORT_API_VERSION);
@@ -319,9 +378,19 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
     swiglu_op.KernelComputeV2 = swiglu_compute;
     swiglu_op.GetInputCharacteristic = required;
 
+    describe(&linear_op);
+    linear_op.CreateKernelV2 = linear_create;
+    linear_op.GetName = linear_name;
+    linear_op.GetInputType = float_type;
+    linear_op.GetInputTypeCount = two;
+    linear_op.GetOutputTypeCount = one;
+    linear_op.KernelComputeV2 = linear_compute;
+    linear_op.GetInputCharacteristic = required;
+
     OrtCustomOpDomain *domain;
     TRY(CALL(ORT_CreateCustomOpDomain, ort_create_domain_fn, "llmc.cpu", &domain));
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &attention_op));
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &swiglu_op));
+    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &linear_op));
     return CALL(ORT_AddCustomOpDomain, ort_add_domain_fn, options, domain);
 }

@@ -10,7 +10,7 @@ __all__ = ["BuildContext", "Pass", "PassManager", "PassRecord", "PassResult", "R
 
 def _registry() -> dict[str, type[Pass]]:
     from llmc.passes.cleanup import Cleanup
-    from llmc.passes.cpu_kernels import CPUKernels
+    from llmc.passes.cpu_kernels import CPUKernels, PackedMatMuls
     from llmc.passes.last_token import LastTokenLogits
     from llmc.passes.layout import SimplifyLayout
     from llmc.passes.merge_matmuls import MergeMatMuls
@@ -20,14 +20,15 @@ def _registry() -> dict[str, type[Pass]]:
     from llmc.passes.paged_kv import PagedKVCache
 
     return {p.name: p for p in (Cleanup, NativeGQA, MergeMatMuls, PagedKVCache, LastTokenLogits,
-                                ORTFusions, CPUKernels, LowerPagedAttentionORT, SimplifyLayout)}
+                                ORTFusions, CPUKernels, LowerPagedAttentionORT, SimplifyLayout, PackedMatMuls)}
 
 
 # In pipeline order, in phases: canonicalize, fuse, rewrite the KV-cache I/O, fuse into the
-# backend's kernels (ORT's, then llmc's own), lower what is left to standard ops, tidy the layout.
+# backend's kernels (ORT's, then llmc's own), lower what is left to standard ops, tidy the layout,
+# then pack the settled weights for llmc's GEMM.
 # The runtime contract needs the paged rewrite and a backend lowering.
 ALL_PASSES = ("cleanup", "native-gqa", "merge-matmuls", "paged-kv-cache", "last-token-logits", "ort-fusions",
-              "cpu-kernels", "ort-lower", "simplify-layout")
+              "cpu-kernels", "ort-lower", "simplify-layout", "packed-matmul")
 REQUIRED_PASSES = ("paged-kv-cache", "ort-lower")
 
 

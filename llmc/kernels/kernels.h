@@ -5,8 +5,8 @@
  * - the rotary embedding of Q and K is applied on the way in (ONNX RotaryEmbedding semantics,
  *   cos/sin given per token), and Q/K/V may arrive packed in one [B, S, (Hq + 2 Hkv) D] tensor,
  *   which is what the merged QKV projection produces. */
-#ifndef LLMC_ATTENTION_H
-#define LLMC_ATTENTION_H
+#ifndef LLMC_KERNELS_H
+#define LLMC_KERNELS_H
 
 #include <stdint.h>
 
@@ -38,5 +38,12 @@ void llmc_attention_task(const llmc_attention *a, int64_t task);
 
 /* out[r, i] = silu(x[r, i]) * x[r, width + i] for rows [row0, row1): x is [rows, 2 * width]. */
 void llmc_swiglu_rows(const float *x, float *out, int64_t width, int64_t row0, int64_t row1);
+
+/* y[M, N] = x[M, K] @ W for W packed as [ceil(N / 32), K, 32] (column panels of 32, zero-padded):
+ * each panel streams once from memory while up to 8 rows accumulate in registers, so small-M
+ * (decode) products cost the weight read, not M passes over it. Computes panels [p0, p1). */
+#define LLMC_PANEL 32
+void llmc_linear_panels(const float *x, const float *w_packed, float *y, int64_t m, int64_t k, int64_t n,
+                        int64_t p0, int64_t p1);
 
 #endif

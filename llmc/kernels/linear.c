@@ -1,0 +1,63 @@
+/* See kernels.h. The tile is 8 rows x 32 columns: 16 accumulator registers (AVX-512), each
+ * k step loading two weight vectors and feeding 16 FMAs with broadcast activations. */
+#include "kernels.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LLMC_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#else
+#define LLMC_CLONES
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+#define VLOAD(p) (*(const v16u *)(p))
+#define VSTORE(p, v) (*(v16u *)(p) = (v))
+
+/* Rows [0, R) of x times one panel into out (row stride out_stride). */
+static inline __attribute__((always_inline)) void tile(const float *restrict x, const float *restrict panel,
+                                                       float *restrict out, int64_t k, int64_t out_stride,
+                                                       const int R) {
+    v16 a[R][2];
+    for (int r = 0; r < R; r++)
+        a[r][0] = a[r][1] = (v16){0};
+    for (int64_t i = 0; i < k; i++) {
+        v16 w0 = VLOAD(panel + i * LLMC_PANEL), w1 = VLOAD(panel + i * LLMC_PANEL + 16);
+        for (int r = 0; r < R; r++) {
+            float xv = x[r * k + i];
+            a[r][0] += xv * w0;
+            a[r][1] += xv * w1;
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        VSTORE(out + r * out_stride, a[r][0]);
+        VSTORE(out + r * out_stride + 16, a[r][1]);
+    }
+}
+
+LLMC_CLONES
+void llmc_linear_panels(const float *x, const float *w_packed, float *y, int64_t m, int64_t k, int64_t n,
+                        int64_t p0, int64_t p1) {
+    float tail[8 * LLMC_PANEL];
+    for (int64_t p = p0; p < p1; p++) {
+        const float *panel = w_packed + p * k * LLMC_PANEL;
+        int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;
+        for (int64_t r = 0; r < m;) {
+            int64_t rows = m - r >= 8 ? 8 : (m - r >= 4 ? 4 : 1);
+            /* A partial last panel is computed into a scratch tile, then its valid columns copied. */
+            float *out = width == LLMC_PANEL ? y + r * n + col : tail;
+            int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;
+            if (rows == 8)
+                tile(x + r * k, panel, out, k, stride, 8);
+            else if (rows == 4)
+                tile(x + r * k, panel, out, k, stride, 4);
+            else
+                tile(x + r * k, panel, out, k, stride, 1);
+            if (width != LLMC_PANEL)
+                for (int64_t i = 0; i < rows; i++)
+                    memcpy(y + (r + i) * n + col, tail + i * LLMC_PANEL, (size_t)width * sizeof(float));
+            r += rows;
+        }
+    }
+}
