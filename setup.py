@@ -10,7 +10,7 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "llmc.kernels._cpu_ops",
     sources=["llmc/kernels/cpu_ops.c", "llmc/kernels/attention.c", "llmc/kernels/linear.c"],
-    depends=["llmc/kernels/kernels.h", "llmc/kernels/ort_abi.h"],
+    depends=["llmc/kernels/kernels.h", "llmc/kernels/simd.h", "llmc/kernels/ort_abi.h"],
     # -fopenmp-simd honours the `omp simd` loops without linking an OpenMP runtime (ORT owns the
     # threads); no -ffast-math: the kernels must match the reference to 1e-5.
     extra_compile_args=["-O3", "-std=c11", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",

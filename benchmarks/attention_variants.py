@@ -11,6 +11,7 @@ ORT session with 2 threads, median of 30 runs; outputs are checked against varia
      (no transposes anywhere)
   C  B with Attention-24's nonpad_kv_seqlen instead of a mask
   D  A's gather + com.microsoft GroupQueryAttention taking the gathered prefix as its past
+  K  llmc's CPU kernel (llmc.cpu::PagedAttention) reading the pool in place, no gather
 The gather alone is timed too: it is what every variant pays. Results: docs/attention_cpu.md.
 """
 import time, sys
@@ -96,3 +97,35 @@ try:
     tD, _ = timeit(sD, feeds)
     print(f"   D gather + GroupQueryAttention(past=gathered) {tD:.3f} ms")
 except Exception as e: print("D failed", str(e)[:400])
+# K: llmc's CPU kernel (llmc.cpu::PagedAttention, the cpu-kernels pass), reading A's pool in place.
+# Its step also writes the new token; feeding the K/V already at position lens-1 makes that write
+# a no-op, so it attends to exactly what A does.
+try:
+    from llmc import kernels
+    pos = lens - 1
+    blk, off = bt[np.arange(B), pos // bs], pos % bs
+    k_cur, v_cur = (poolA[w, blk, off].reshape(B, 1, Hkv * D) for w in (0, 1))
+    node = h.make_node("PagedAttention", ["q", "k", "v", "pool", "past", "qlen", "tables"], ["y", "pool_out"],
+                       domain=kernels.DOMAIN, num_heads=Hq, num_kv_heads=Hkv, scale=1 / np.sqrt(D))
+    g = h.make_graph([node], "g", [vi("q", TP.FLOAT, None), vi("k", TP.FLOAT, None), vi("v", TP.FLOAT, None),
+                                   vi("pool", TP.FLOAT, None), vi("past", TP.INT32, None), vi("qlen", TP.INT32, None),
+                                   vi("tables", TP.INT32, None)], [vi("y", TP.FLOAT, None), vi("pool_out", TP.FLOAT, None)])
+    mdl = h.make_model(g, opset_imports=[h.make_opsetid("", 23), h.make_opsetid(kernels.DOMAIN, kernels.VERSION)])
+    mdl.ir_version = 10
+    o = ort.SessionOptions(); o.intra_op_num_threads = 2; o.log_severity_level = 3
+    kernels.register(o)
+    sK = ort.InferenceSession(mdl.SerializeToString(), o, providers=["CPUExecutionProvider"])
+    bind = sK.io_binding()  # the pool in and out bound to one buffer, as the runtime does
+    pool_value = ort.OrtValue.ortvalue_from_numpy(poolA)
+    bind.bind_ortvalue_input("pool", pool_value); bind.bind_ortvalue_output("pool_out", pool_value)
+    for name, arr in (("q", q4.reshape(B, 1, Hq * D)), ("k", k_cur), ("v", v_cur), ("past", pos.astype(np.int32)),
+                      ("qlen", np.ones(B, np.int32)), ("tables", bt.astype(np.int32))):
+        bind.bind_cpu_input(name, np.ascontiguousarray(arr))
+    bind.bind_output("y")
+    for _ in range(3): sK.run_with_iobinding(bind)
+    ts = []
+    for _ in range(30):
+        t = time.perf_counter(); sK.run_with_iobinding(bind); ts.append(time.perf_counter() - t)
+    yK = bind.copy_outputs_to_cpu()[-1]  # outputs come in binding order: the pool, then y
+    print(f"   K llmc.cpu::PagedAttention in place {np.median(ts) * 1e3:.3f} ms maxdiff {np.abs(yK.reshape(yA.shape) - yA).max():.2e}")
+except Exception as e: print("K failed", str(e)[:400])

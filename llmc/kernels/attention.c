@@ -2,23 +2,11 @@
  * block's keys with `omp simd` (built with -fopenmp-simd, no OpenMP runtime), and each function
  * is cloned for AVX-512, AVX2 and baseline x86-64 so one build runs on any x86 CPU. */
 #include "kernels.h"
+#include "simd.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LLMC_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-#else
-#define LLMC_CLONES
-#endif
-
-/* 16 floats: one AVX-512 register (two AVX2 ones in the avx2 clone). GCC's vector extension
- * keeps the register-blocked loops below portable across the clones. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
-#define VLOAD(p) (*(const v16u *)(p))
-#define VSTORE(p, v) (*(v16u *)(p) = (v))
 
 /* exp(x) for x <= 88: 2^n * e^y with |y| <= ln2/2 and a degree-7 Taylor polynomial (relative
  * error ~1e-8, under float rounding). Plain arithmetic, so loops calling it vectorize. */

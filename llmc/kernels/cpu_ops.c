@@ -323,9 +323,6 @@ static int start_version(const OrtCustomOp *op) { (void)op; return 1; }
 static int end_version(const OrtCustomOp *op) { (void)op; return 2147483647; }
 static int32_t required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return ORT_REQUIRED; }
 
-static const char *attention_name(const OrtCustomOp *op) { (void)op; return "PagedAttention"; }
-static size_t attention_inputs(const OrtCustomOp *op) { (void)op; return NUM_IN; }
-static size_t two(const OrtCustomOp *op) { (void)op; return 2; }
 static int32_t attention_input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
     return (i == IN_PAST || i == IN_QLEN || i == IN_TABLES) ? ORT_INT32 : ORT_FLOAT;
@@ -335,15 +332,41 @@ static int32_t attention_input_kind(const OrtCustomOp *op, size_t i) {
     return (i == IN_K || i == IN_V || i == IN_COS || i == IN_SIN) ? ORT_OPTIONAL : ORT_REQUIRED;
 }
 
-static const char *swiglu_name(const OrtCustomOp *op) { (void)op; return "SwiGLU"; }
-static const char *linear_name(const OrtCustomOp *op) { (void)op; return "PackedMatMul"; }
-static size_t one(const OrtCustomOp *op) { (void)op; return 1; }
 
-static void describe(OrtCustomOp *op) {
+/* ORT asks an op for its name and input/output counts through callbacks taking the op itself, so
+ * the values live in a struct that starts with the OrtCustomOp. */
+typedef struct {
+    OrtCustomOp op;
+    const char *name;
+    size_t inputs, outputs;
+} op_description;
+
+static const char *op_name(const OrtCustomOp *op) { return ((const op_description *)op)->name; }
+static size_t op_inputs(const OrtCustomOp *op) { return ((const op_description *)op)->inputs; }
+static size_t op_outputs(const OrtCustomOp *op) { return ((const op_description *)op)->outputs; }
+
+typedef OrtStatus *(*create_fn)(const OrtCustomOp *, const OrtApi *, const OrtKernelInfo *, void **);
+typedef OrtStatus *(*compute_fn)(void *, OrtKernelContext *);
+
+static void define(op_description *d, const char *name, create_fn create, compute_fn compute, size_t inputs,
+                   size_t outputs, int32_t (*input_type)(const OrtCustomOp *, size_t),
+                   int32_t (*input_kind)(const OrtCustomOp *, size_t)) {
+    OrtCustomOp *op = &d->op;
+    memset(d, 0, sizeof *d);
+    d->name = name;
+    d->inputs = inputs;
+    d->outputs = outputs;
     op->version = LLMC_ORT_OP_VERSION;
+    op->CreateKernelV2 = create;
+    op->KernelComputeV2 = compute;
+    op->GetName = op_name;
     op->GetExecutionProviderType = cpu_provider;
+    op->GetInputType = input_type;
+    op->GetInputTypeCount = op_inputs;
     op->GetOutputType = float_type;
+    op->GetOutputTypeCount = op_outputs;
     op->KernelDestroy = destroy;
+    op->GetInputCharacteristic = input_kind;
     op->GetOutputCharacteristic = required;
     op->GetInputMemoryType = mem_default;
     op->GetVariadicInputMinArity = no_variadic;
@@ -354,43 +377,21 @@ static void describe(OrtCustomOp *op) {
     op->GetEndVersion = end_version;
 }
 
-static OrtCustomOp attention_op, swiglu_op, linear_op;
+static op_description attention_op, swiglu_op, linear_op;
 
 EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(LLMC_ORT_API_VERSION);
     if (api == NULL)
         return NULL;  /* an ORT older than the kernels need: ORT reports the unknown ops */
-    describe(&attention_op);
-    attention_op.CreateKernelV2 = attention_create;
-    attention_op.GetName = attention_name;
-    attention_op.GetInputType = attention_input_type;
-    attention_op.GetInputTypeCount = attention_inputs;
-    attention_op.GetOutputTypeCount = two;
-    attention_op.KernelComputeV2 = attention_compute;
-    attention_op.GetInputCharacteristic = attention_input_kind;
-
-    describe(&swiglu_op);
-    swiglu_op.CreateKernelV2 = swiglu_create;
-    swiglu_op.GetName = swiglu_name;
-    swiglu_op.GetInputType = float_type;
-    swiglu_op.GetInputTypeCount = one;
-    swiglu_op.GetOutputTypeCount = one;
-    swiglu_op.KernelComputeV2 = swiglu_compute;
-    swiglu_op.GetInputCharacteristic = required;
-
-    describe(&linear_op);
-    linear_op.CreateKernelV2 = linear_create;
-    linear_op.GetName = linear_name;
-    linear_op.GetInputType = float_type;
-    linear_op.GetInputTypeCount = two;
-    linear_op.GetOutputTypeCount = one;
-    linear_op.KernelComputeV2 = linear_compute;
-    linear_op.GetInputCharacteristic = required;
+    define(&attention_op, "PagedAttention", attention_create, attention_compute, NUM_IN, 2,
+           attention_input_type, attention_input_kind);
+    define(&swiglu_op, "SwiGLU", swiglu_create, swiglu_compute, 1, 1, float_type, required);
+    define(&linear_op, "PackedMatMul", linear_create, linear_compute, 2, 1, float_type, required);
 
     OrtCustomOpDomain *domain;
     TRY(CALL(ORT_CreateCustomOpDomain, ort_create_domain_fn, "llmc.cpu", &domain));
-    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &attention_op));
-    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &swiglu_op));
-    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &linear_op));
+    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &attention_op.op));
+    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &swiglu_op.op));
+    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &linear_op.op));
     return CALL(ORT_AddCustomOpDomain, ort_add_domain_fn, options, domain);
 }

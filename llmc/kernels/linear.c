@@ -1,19 +1,9 @@
 /* See kernels.h. The tile is 8 rows x 32 columns: 16 accumulator registers (AVX-512), each
  * k step loading two weight vectors and feeding 16 FMAs with broadcast activations. */
 #include "kernels.h"
+#include "simd.h"
 
 #include <string.h>
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LLMC_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-#else
-#define LLMC_CLONES
-#endif
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
-#define VLOAD(p) (*(const v16u *)(p))
-#define VSTORE(p, v) (*(v16u *)(p) = (v))
 
 /* Rows [0, R) of x times one panel into out (row stride out_stride). */
 static inline __attribute__((always_inline)) void tile(const float *restrict x, const float *restrict panel,

@@ -136,6 +136,16 @@ def graph_input(graph: ir.Graph, name: str) -> ir.Value | None:
     return next((v for v in graph.inputs if v.name == name), None)
 
 
+def take_graph_output(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
+    """`new` replaces graph output `old` in place and under its name (the runtime binds outputs by
+    name, and for the KV caches the producing node's own output must be the graph output)."""
+    position = list(graph.outputs).index(old)
+    name = old.name
+    old.name = f"{name}.replaced"
+    new.name, new.type, new.shape = name, old.type, old.shape
+    graph.outputs[position] = new
+
+
 def producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
     """The node producing `value` if it is an `op_type` from the default domain."""
     if value is None:

@@ -31,7 +31,8 @@ import onnx_ir as ir
 
 from llmc import kernels
 from llmc.ir_builder import OpBuilder
-from llmc.passes.base import BuildContext, PassResult, RewriteRule, RulePass, const_ints, producer, weight
+from llmc.passes.base import (BuildContext, PassResult, RewriteRule, RulePass, const_ints, producer,
+                              take_graph_output, weight)
 from llmc.passes.cleanup import remove_dead_code
 from llmc.plugins import paged_attention as pa
 
@@ -147,11 +148,7 @@ class PagedAttentionKernel(RewriteRule):
                                    perm=HEADS_TO_TOKENS)
             graph.insert_after(kernel, back.nodes)
             ir.convenience.replace_all_uses_with(old_out, heads)
-        position = list(graph.outputs).index(old_cache)
-        name = old_cache.name
-        old_cache.name = f"{name}.replaced"
-        cache_out.name, cache_out.type, cache_out.shape = name, old_cache.type, old_cache.shape
-        graph.outputs[position] = cache_out
+        take_graph_output(graph, old_cache, cache_out)
         graph.remove(node, safe=True)
         model.opset_imports[kernels.DOMAIN] = kernels.VERSION
         return {"rope_fused": int(rope is not None), "qkv_packed": int(packed is not None)}
@@ -252,9 +249,9 @@ class PackedMatMul(RewriteRule):
         out.name, out.type, out.shape = f"{matmul.outputs[0].name}_packed", matmul.outputs[0].type, matmul.outputs[0].shape
         model.graph.insert_before(matmul, kernel)
         old = matmul.outputs[0]
-        if old.is_graph_output():  # the LM head of an all-positions engine: keep the output's name
-            out.name, old.name = old.name, f"{old.name}.replaced"
-        ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
+        if old.is_graph_output():  # the LM head of an all-positions engine
+            take_graph_output(model.graph, old, out)
+        ir.convenience.replace_all_uses_with(old, out)
         original = matmul.inputs[1]
         model.graph.remove(matmul, safe=True)
         if not original.uses() and not original.is_graph_output():  # drop it now: build RSS stays flat

@@ -14,7 +14,7 @@ import onnx_ir as ir
 from onnx_ir.passes import common as ir_passes
 
 from llmc.ir_builder import OpBuilder
-from llmc.passes.base import BuildContext, Pass, PassResult, graph_input
+from llmc.passes.base import BuildContext, Pass, PassResult, graph_input, take_graph_output
 from llmc.passes.paged_kv import BLOCK_TABLES, PAST_LENS, QUERY_LENS
 from llmc.plugins import paged_attention as pa
 
@@ -62,11 +62,7 @@ class LowerPagedAttentionORT(Pass):
             output.type, output.shape = old_out.type, old_out.shape
             ir.convenience.replace_all_uses_with(old_out, output)
             # The ScatterND output itself must be the graph output: that is what ORT writes in place.
-            position = list(graph.outputs).index(old_cache)
-            name = old_cache.name
-            old_cache.name = f"{name}.replaced"
-            cache_out.name, cache_out.type, cache_out.shape = name, old_cache.type, old_cache.shape
-            graph.outputs[position] = cache_out
+            take_graph_output(graph, old_cache, cache_out)
             graph.remove(node, safe=True)
 
         ir_passes.RemoveUnusedNodesPass()(model)
