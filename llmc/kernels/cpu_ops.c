@@ -383,10 +383,14 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
     api = base->GetApi(LLMC_ORT_API_VERSION);
     if (api == NULL)
         return NULL;  /* an ORT older than the kernels need: ORT reports the unknown ops */
-    define(&attention_op, "PagedAttention", attention_create, attention_compute, NUM_IN, 2,
-           attention_input_type, attention_input_kind);
-    define(&swiglu_op, "SwiGLU", swiglu_create, swiglu_compute, 1, 1, float_type, required);
-    define(&linear_op, "PackedMatMul", linear_create, linear_compute, 2, 1, float_type, required);
+    /* Once per process: sessions already running read these descriptions at compute time, so a
+     * later registration (another engine) must not rewrite them under them. */
+    if (attention_op.name == NULL) {
+        define(&attention_op, "PagedAttention", attention_create, attention_compute, NUM_IN, 2,
+               attention_input_type, attention_input_kind);
+        define(&swiglu_op, "SwiGLU", swiglu_create, swiglu_compute, 1, 1, float_type, required);
+        define(&linear_op, "PackedMatMul", linear_create, linear_compute, 2, 1, float_type, required);
+    }
 
     OrtCustomOpDomain *domain;
     TRY(CALL(ORT_CreateCustomOpDomain, ort_create_domain_fn, "llmc.cpu", &domain));

@@ -39,16 +39,17 @@ from llmc.plugins import paged_attention as pa
 HEADS_TO_TOKENS = (0, 2, 1, 3)  # [B, H, S, D] <-> [B, S, H, D]
 
 
-def _token_major(value: ir.Value) -> ir.Value | None:
-    """X when `value` is Transpose(Reshape(X, [B, S, H, D]), perm=[0, 2, 1, 3]) with X 3-D."""
+def _token_major(value: ir.Value, head_dim: int) -> ir.Value | None:
+    """X when `value` is Transpose(Reshape(X, [B, S, H, D]), perm=[0, 2, 1, 3]) with X 3-D: the
+    heads split off X's last axis, which is the layout the kernel reads."""
     transpose = producer(value, "Transpose")
     if transpose is None or tuple(transpose.attributes.get_ints("perm", ())) != HEADS_TO_TOKENS:
         return None
     reshape = producer(transpose.inputs[0], "Reshape")
     if reshape is None:
         return None
-    source = reshape.inputs[0]
-    if source.shape is None or len(source.shape) != 3:
+    source, split = reshape.inputs[0], reshape.outputs[0].shape
+    if source.shape is None or len(source.shape) != 3 or split is None or len(split) != 4 or split[3] != head_dim:
         return None
     return source
 
@@ -112,7 +113,7 @@ class PagedAttentionKernel(RewriteRule):
         ops = OpBuilder(name_prefix=f"{node.name}_kernel_")
         sources = []
         for value in (m["q"], m["k"], m["v"]):
-            source = _token_major(value)
+            source = _token_major(value, spec.head_dim)
             if source is None:  # not produced token-major: transpose it here
                 source = ops.Reshape(ops.Transpose(value, perm=HEADS_TO_TOKENS), ops.const([0, 0, -1]))
             sources.append(source)
