@@ -82,6 +82,9 @@ class Engine:
             except Exception as exc:
                 raise EngineError(f"engine {self.dir}: ONNX Runtime cannot load llmc's CPU kernels "
                                   f"({first_line(exc)}); reinstall llmc (pip install -e .)") from None
+        weights_name = manifest["payload"].get("weights")
+        if weights_name:
+            self._weights = _read_weights(opts, engine_file(self.dir, manifest, weights_name), weights_name)
         try:
             self.session = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
         except Exception as exc:
@@ -165,6 +168,27 @@ class Engine:
 class _StepBuffers:
     inputs: dict[str, np.ndarray]
     logits: np.ndarray
+
+
+def _read_weights(opts, path: Path, name: str):
+    """Hand ORT the weights file read into anonymous memory advised to use huge pages, for it to
+    use in place. ORT would otherwise map the file with 4 KB pages, and every decode step streams
+    all the weights: a TLB walk per 4 KB, which cost a cold 128-token prefill on llmc's packed
+    GEMM 11% (measured; with 2 MB pages it matched ORT's own prepacked GEMM). Resident memory is
+    the same either way: the mapped file's pages end up resident too."""
+    import mmap
+
+    size = path.stat().st_size
+    if size == 0:
+        return None
+    buffer = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    with open(path, "rb") as f:
+        f.readinto(buffer)
+    opts.add_external_initializers_from_files_in_memory([name], [np.frombuffer(buffer, np.uint8)], [size])
+    opts.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
+    return buffer  # the session reads it in place: it lives as long as the engine
 
 
 def _physical_cores() -> int:
