@@ -11,9 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from llmc import kernels
+
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-phi3")
 BLOCK_SIZE = 4
 MAX_CONTEXT = 256
+# For tests of llmc's CPU kernels: CI's install compiles them, so there they always run.
+needs_kernels = pytest.mark.skipif(kernels.library_path() is None,
+                                   reason="llmc's CPU kernel library is not built (no C compiler at install)")
 
 
 @pytest.fixture(scope="session", autouse=True)

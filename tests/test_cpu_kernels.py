@@ -11,12 +11,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from conftest import needs_kernels
 from llmc import kernels
 from llmc.errors import EngineError
 from llmc.plugins import paged_attention as pa
 
-pytestmark = pytest.mark.skipif(kernels.library_path() is None,
-                                reason="llmc's CPU kernel library is not built (no C compiler at install)")
+pytestmark = needs_kernels
 F32, I32 = TensorProto.FLOAT, TensorProto.INT32
 
 
@@ -133,6 +133,9 @@ def test_paged_attention_kernel_rejects_bad_metadata_with_a_message():
         sess.run(None, feeds)
     feeds["q"] = np.zeros((1, 1, 15), np.float32)
     with pytest.raises(Exception, match="query's last dim"):
+        sess.run(None, feeds)
+    feeds["q"], feeds["cache"] = np.zeros((1, 1, 16), np.float32), np.zeros((2, 3, 0, 1, 4), np.float32)
+    with pytest.raises(Exception, match="kv_cache has an empty dimension"):  # not a division by zero
         sess.run(None, feeds)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import BLOCK_SIZE
+from conftest import BLOCK_SIZE, needs_kernels
 from llmc import kernels
 from llmc.passes import BuildContext
 from llmc.passes.layout import ReshapeChain, TransposePair
@@ -21,8 +21,6 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.sampling import SamplingParams
 
 FUSION_PASSES = ("merge-matmuls", "ort-fusions", "cpu-kernels", "simplify-layout", "packed-matmul")
-needs_kernels = pytest.mark.skipif(kernels.library_path() is None,
-                                   reason="llmc's CPU kernel library is not built (no C compiler at install)")
 
 
 def _expected_counts(layers: int, tied: bool, with_kernels: bool) -> dict[str, dict[str, int]]:

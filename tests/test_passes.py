@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from conftest import needs_kernels
 from llmc import kernels
 from llmc.passes import ALL_PASSES, BuildContext, PassManager, make_passes
 from llmc.passes.verify import ATOL, PassVerificationError, compare, verifier
@@ -26,8 +27,6 @@ KERNEL_COUNTS = {**COMMON_COUNTS, "cpu-kernels": {"paged_attention": 2, "rope_fu
 COMPOSED_COUNTS = {**COMMON_COUNTS, "ort-lower": {"paged_attention_lowered": 2, "shared_step_metadata": 1},
                    "simplify-layout": {"rope_3d": 4, "transpose_pair": 4, "reshape_chain": 4}}
 COMPOSED_PASSES = [p for p in ALL_PASSES if p not in ("cpu-kernels", "packed-matmul")]
-needs_kernels = pytest.mark.skipif(kernels.library_path() is None,
-                                   reason="llmc's CPU kernel library is not built (no C compiler at install)")
 
 
 @pytest.fixture(scope="module")

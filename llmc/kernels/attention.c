@@ -1,4 +1,4 @@
-/* See attention.h. Written for the compiler's vectorizer: the inner loops run over head_dim or a
+/* See kernels.h. Written for the compiler's vectorizer: the inner loops run over head_dim or a
  * block's keys with `omp simd` (built with -fopenmp-simd, no OpenMP runtime), and each function
  * is cloned for AVX-512, AVX2 and baseline x86-64 so one build runs on any x86 CPU. */
 #include "kernels.h"
@@ -159,6 +159,10 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
         return;
 
     float *scratch = malloc((size_t)(rows * (2 * d + 2 + bs) + d * bs) * sizeof(float));
+    if (scratch == NULL) {  /* reported by the caller once every task has run */
+        *a->out_of_memory = 1;
+        return;
+    }
     float *restrict q = scratch, *restrict acc = q + rows * d, *restrict m = acc + rows * d;
     float *restrict l = m + rows, *restrict s = l + rows, *restrict kt = s + rows * bs;
     int64_t past = a->past_lens[b];

@@ -69,6 +69,16 @@ static OrtStatus *output(OrtKernelContext *ctx, size_t index, const int64_t *dim
     return data(value, out);
 }
 
+/* The number of rows of x seen as [rows, last dim], and x's dims with the last one replaced. */
+static int64_t rows_with_last(const tensor *x, int64_t last, int64_t dims[8]) {
+    int64_t rows = 1;
+    memcpy(dims, x->dims, sizeof x->dims);
+    dims[x->rank - 1] = last;
+    for (size_t i = 0; i + 1 < x->rank; i++)
+        rows *= x->dims[i];
+    return rows;
+}
+
 static OrtStatus *parallel(OrtKernelContext *ctx, void (*fn)(void *, size_t), size_t total, void *arg) {
     return CALL(ORT_KernelContext_ParallelFor, ort_parallel_for_fn, ctx, fn, total, 0, arg);
 }
@@ -104,6 +114,8 @@ static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
     a.num_blocks = cache->dims[1];
     a.block_size = cache->dims[2];
     a.head_dim = cache->dims[4];
+    if (a.num_blocks < 1 || a.block_size < 1 || a.head_dim < 1)
+        return error(op, "kv_cache has an empty dimension");
     if (cache->dims[3] != a.num_kv_heads || a.num_heads % a.num_kv_heads != 0)
         return error(op, "kv_cache's head count does not match num_kv_heads");
     int64_t d = a.head_dim, hq = a.num_heads * d, hkv = a.num_kv_heads * d;
@@ -168,7 +180,10 @@ static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
     /* Decode rows attend one query each; prefill chunks take query rows in tiles that share
      * each key block while it is in cache. */
     a.rows_per_task = a.seq == 1 ? 1 : 16;
-    return parallel(ctx, attend_one, (size_t)llmc_attention_tasks(&a), &a);
+    int out_of_memory = 0;
+    a.out_of_memory = &out_of_memory;
+    TRY(parallel(ctx, attend_one, (size_t)llmc_attention_tasks(&a), &a));
+    return out_of_memory ? error(op, "out of memory for the attention scratch") : NULL;
 }
 
 /* -- SwiGLU ------------------------------------------------------------------------------------ */
@@ -191,11 +206,7 @@ static OrtStatus *swiglu_compute(void *state, OrtKernelContext *ctx) {
     TRY(input(ctx, 0, &x));
     if (x.type != ORT_FLOAT || x.rank < 1 || x.dims[x.rank - 1] % 2 != 0)
         return error("SwiGLU", "input must be float32 with an even last dim (gate then up)");
-    int64_t dims[8], rows = 1;
-    memcpy(dims, x.dims, sizeof dims);
-    dims[x.rank - 1] /= 2;
-    for (size_t i = 0; i + 1 < x.rank; i++)
-        rows *= x.dims[i];
+    int64_t dims[8], rows = rows_with_last(&x, x.dims[x.rank - 1] / 2, dims);
     swiglu_job job = {.width = dims[x.rank - 1], .rows = rows};
     TRY(data(x.value, (void **)&job.x));
     TRY(output(ctx, 0, dims, x.rank, (void **)&job.out));
@@ -234,12 +245,8 @@ static OrtStatus *linear_compute(void *state, OrtKernelContext *ctx) {
         return error(op, "weight must be float32 [ceil(n / 32), K, 32] (packed by llmc build)");
     if (x.type != ORT_FLOAT || x.rank < 1 || x.dims[x.rank - 1] != w.dims[1])
         return error(op, "input's last dim does not match the weight's K");
-    linear_job job = {.k = w.dims[1], .n = kernel->n, .m = 1};
     int64_t dims[8];
-    memcpy(dims, x.dims, sizeof dims);
-    dims[x.rank - 1] = kernel->n;
-    for (size_t i = 0; i + 1 < x.rank; i++)
-        job.m *= x.dims[i];
+    linear_job job = {.k = w.dims[1], .n = kernel->n, .m = rows_with_last(&x, kernel->n, dims)};
     TRY(data(x.value, (void **)&job.x));
     TRY(data(w.value, (void **)&job.w));
     TRY(output(ctx, 0, dims, x.rank, (void **)&job.y));
@@ -250,22 +257,21 @@ static OrtStatus *linear_compute(void *state, OrtKernelContext *ctx) {
 
 /* -- the ops' descriptions --------------------------------------------------------------------- */
 
-static OrtStatus *read_int(const OrtKernelInfo *info, const char *name, int64_t fallback, int64_t *out) {
+/* An attribute's value, or `fallback` when the node does not set it. */
+static void read_int(const OrtKernelInfo *info, const char *name, int64_t fallback, int64_t *out) {
     OrtStatus *status = CALL(ORT_KernelInfoGetAttribute_int64, ort_attr_int_fn, info, name, out);
-    if (status != NULL) {  /* absent: the default */
+    if (status != NULL) {
         CALL(ORT_ReleaseStatus, ort_release_status_fn, status);
         *out = fallback;
     }
-    return NULL;
 }
 
-static OrtStatus *read_float(const OrtKernelInfo *info, const char *name, float fallback, float *out) {
+static void read_float(const OrtKernelInfo *info, const char *name, float fallback, float *out) {
     OrtStatus *status = CALL(ORT_KernelInfoGetAttribute_float, ort_attr_float_fn, info, name, out);
     if (status != NULL) {
         CALL(ORT_ReleaseStatus, ort_release_status_fn, status);
         *out = fallback;
     }
-    return NULL;
 }
 
 static OrtStatus *attention_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,

@@ -26,6 +26,7 @@ typedef struct {
     float scale, softcap;
     int64_t sliding_window;
     int64_t rows_per_task;
+    int *out_of_memory; /* set by a task that could not allocate its scratch */
 } llmc_attention;
 
 /* Checks the step's metadata against the pool; returns NULL or a message naming the problem. */

@@ -26,6 +26,8 @@ pass does nothing and says why, and ort-lower composes standard ops as before.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx_ir as ir
 
@@ -75,15 +77,12 @@ def _splits_last_axis(split: ir.Node) -> bool:
 def _packed_source(sources, ctx: BuildContext) -> ir.Value | None:
     """The merged projection when Q, K, V are outputs 0, 1, 2 of one last-axis Split of it."""
     split = producer(sources[0], "Split")
-    if split is None or [o for o in split.outputs] != list(sources):
-        return None
-    whole = split.inputs[0]
-    if not _splits_last_axis(split):
+    if split is None or list(split.outputs) != list(sources) or not _splits_last_axis(split):
         return None
     spec = ctx.spec
     sizes = const_ints(split.inputs[1]) if len(split.inputs) > 1 else None
     want = [spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim]
-    return whole if sizes == want else None
+    return split.inputs[0] if sizes == want else None
 
 
 class PagedAttentionKernel(RewriteRule):
@@ -126,8 +125,7 @@ class PagedAttentionKernel(RewriteRule):
             # Partial rotation: the kernel learns the rotated width from cos's last dim.
             cos_sin = [ops.Slice(v, ops.const([0]), ops.const([rotary_dim // 2]), ops.const([-1]))
                        for v in cos_sin]
-        attrs = {k: node.attributes[k].value for k in ("num_heads", "num_kv_heads", "scale",
-                                                       "sliding_window", "softcap")}
+        attrs = {f.name: node.attributes[f.name].value for f in dataclasses.fields(pa.PagedAttentionAttrs)}
         kernel = ir.Node(kernels.DOMAIN, "PagedAttention", [*qkv, *node.inputs[3:7], *cos_sin],
                          attributes=[ir.convenience.convert_attribute(k, v) for k, v in
                                      {**attrs, "rotary_interleaved": interleaved}.items()],
