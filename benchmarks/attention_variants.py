@@ -11,7 +11,7 @@ ORT session with 2 threads, median of 30 runs; outputs are checked against varia
      (no transposes anywhere)
   C  B with Attention-24's nonpad_kv_seqlen instead of a mask
   D  A's gather + com.microsoft GroupQueryAttention taking the gathered prefix as its past
-  K  llmc's CPU kernel (llmc.cpu::PagedAttention) reading the pool in place, no gather
+  K  llmc's CPU kernel (llmc.cpu::PagedAttention) reading its head-major pool in place, no gather
 The gather alone is timed too: it is what every variant pays. Results: docs/attention_cpu.md.
 """
 import time, sys
@@ -97,11 +97,12 @@ try:
     tD, _ = timeit(sD, feeds)
     print(f"   D gather + GroupQueryAttention(past=gathered) {tD:.3f} ms")
 except Exception as e: print("D failed", str(e)[:400])
-# K: llmc's CPU kernel (llmc.cpu::PagedAttention, the cpu-kernels pass), reading A's pool in place.
+# K: llmc's CPU kernel (llmc.cpu::PagedAttention, the cpu-kernels pass), reading A's pool's contents
+# in place, in the kernel's own (head-major) layout.
 # Its step also writes the new token; feeding the K/V already at position lens-1 makes that write
 # a no-op, so it attends to exactly what A does.
 try:
-    from llmc import kernels
+    from llmc import kernels, kv_layout
     pos = lens - 1
     blk, off = bt[np.arange(B), pos // bs], pos % bs
     k_cur, v_cur = (poolA[w, blk, off].reshape(B, 1, Hkv * D) for w in (0, 1))
@@ -116,7 +117,7 @@ try:
     kernels.register(o)
     sK = ort.InferenceSession(mdl.SerializeToString(), o, providers=["CPUExecutionProvider"])
     bind = sK.io_binding()  # the pool in and out bound to one buffer, as the runtime does
-    pool_value = ort.OrtValue.ortvalue_from_numpy(poolA)
+    pool_value = ort.OrtValue.ortvalue_from_numpy(kv_layout.from_token_major(poolA, kv_layout.HEAD_MAJOR))
     bind.bind_ortvalue_input("pool", pool_value); bind.bind_ortvalue_output("pool_out", pool_value)
     for name, arr in (("q", q4.reshape(B, 1, Hq * D)), ("k", k_cur), ("v", v_cur), ("past", pos.astype(np.int32)),
                       ("qlen", np.ones(B, np.int32)), ("tables", bt.astype(np.int32))):

@@ -30,7 +30,8 @@ from typing import Any, Callable
 
 from llmc.errors import EngineError
 
-SCHEMA_VERSION = 1
+# 2: kv_cache.layout names the pools' layout (llmc/kv_layout.py); the runtime allocates by it.
+SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 REQUIRED_KEYS = ("schema_version", "files", "backend", "model_spec", "io")
 _COMPILER_KEYS = ("backend", "model_spec", "io")  # the rest are filled in by EngineWriter.commit

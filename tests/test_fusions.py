@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from conftest import BLOCK_SIZE, needs_kernels
-from llmc import kernels
+from llmc import kernels, kv_layout
 from llmc.passes import BuildContext
 from llmc.passes.layout import ReshapeChain, TransposePair
 from llmc.passes.merge_matmuls import MergeSiblingMatMuls
@@ -65,6 +65,7 @@ def test_fusions_fire_and_the_engine_still_matches_hf(recipe, with_kernels, engi
         if counts:  # the build verified each pass that changed the graph numerically
             assert passes[name]["max_abs_diff"] <= 1e-4
     assert (manifest["backend"]["custom_ops"] == [kernels.DOMAIN]) == with_kernels
+    assert manifest["kv_cache"]["layout"] == (kv_layout.HEAD_MAJOR if with_kernels else kv_layout.TOKEN_MAJOR)
 
     ops = _ops(engine_dir)
     # qkv, o, gate_up, down per layer, and the LM head: on llmc's packed GEMM with the kernels

@@ -122,3 +122,31 @@ def test_disabling_an_optional_pass(tmp_path):
     # An all-positions engine still serves generate(): the runtime picks each row's last token.
     out_tokens = LLM(out).generate("hello there", SamplingParams(max_tokens=5, ignore_eos=True)).token_ids
     assert len(out_tokens) == 5
+
+
+@needs_kernels
+def test_attention_kernel_takes_every_layer_or_none(exported):
+    """The kernel's pools are head-major and an engine has one layout: one layer the kernel
+    cannot take keeps every layer on the standard op (token-major), and the miss says why."""
+    import onnx_ir as ir
+
+    from llmc import kv_layout
+
+    before = [p for p in ALL_PASSES if p not in ("cpu-kernels", "ort-lower", "simplify-layout", "packed-matmul")]
+    model, spec = _clone(exported[0]), exported[1]
+    ctx = BuildContext(spec, block_size=4)
+    PassManager(make_passes(before)).run(model, ctx)
+    taken = _clone(model)
+    make_passes(["cpu-kernels"])[0].run(taken, ctx)
+    assert kv_layout.of_model(taken) == kv_layout.HEAD_MAJOR
+    pools = [v for v in [*taken.graph.inputs, *taken.graph.outputs] if v.name.startswith("kv_cache")]
+    assert len(pools) == 2 * spec.num_layers
+    assert all(tuple(v.shape)[2:] == (spec.num_kv_heads, 4, spec.head_dim) for v in pools)
+
+    rope = next(n for n in model.graph if n.op_type == "RotaryEmbedding")  # one layer's Q or K
+    rope.attributes["interleaved"] = ir.AttrInt64("interleaved", 1)
+    result = make_passes(["cpu-kernels"])[0].run(model, ctx)
+    assert result.counts.get("paged_attention") is None
+    assert kv_layout.of_model(model) == kv_layout.TOKEN_MAJOR
+    assert sum("all layers share one pool layout" in m for m in result.misses) == spec.num_layers - 1
+    assert not any(n.op_type == "PagedAttention" and n.domain == kernels.DOMAIN for n in model.graph)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from llmc import __version__
-from llmc import kernels
+from llmc import kernels, kv_layout
 from llmc.artifact import EngineWriter
 from llmc.errors import LlmcError, first_line
 from llmc.spec import ModelSpec
@@ -162,7 +162,9 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             "passes": [r.to_dict() for r in records],
             "quantization": None,
             "kv_cache": {
-                "layout": "[2, num_blocks, block_size, num_kv_heads, head_dim]",
+                "layout": kv_layout.of_model(model),
+                "pool_shape": str(list(kv_layout.pool_shape(kv_layout.of_model(model), "num_blocks", "block_size",
+                                                            "num_kv_heads", "head_dim"))).replace("'", ""),
                 "dtype": "float32",
                 "block_size": options.block_size,
                 "num_layers": spec.num_layers,

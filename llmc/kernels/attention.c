@@ -71,16 +71,20 @@ static inline void rotate(const llmc_attention *a, const float *x, float *dst, i
 LLMC_CLONES
 void llmc_attention_write(const llmc_attention *a) {
     int64_t d = a->head_dim, hkv = a->num_kv_heads, bs = a->block_size;
-    int64_t row = hkv * d, plane = a->num_blocks * bs * row;
+    int64_t plane = a->num_blocks * hkv * bs * d;
+    float key[LLMC_MAX_HEAD_DIM];
     for (int64_t b = 0; b < a->batch; b++) {
         for (int64_t j = 0; j < a->query_lens[b]; j++) {
-            int64_t p = a->past_lens[b] + j, tok = b * a->seq + j;
+            int64_t p = a->past_lens[b] + j, tok = b * a->seq + j, slot = p % bs;
             int64_t blk = a->block_tables[b * a->max_blocks + p / bs];
-            float *kdst = a->cache + (blk * bs + p % bs) * row;
             const float *k = a->k + tok * a->kv_stride, *v = a->v + tok * a->kv_stride;
-            for (int64_t h = 0; h < hkv; h++)
-                rotate(a, k + h * d, kdst + h * d, b, j);
-            memcpy(kdst + plane, v, (size_t)row * sizeof(float));
+            for (int64_t h = 0; h < hkv; h++) {
+                float *tile = a->cache + (blk * hkv + h) * bs * d;
+                rotate(a, k + h * d, key, b, j);
+                for (int64_t i = 0; i < d; i++)  /* keys are stored transposed: [d, bs] */
+                    tile[i * bs + slot] = key[i];
+                memcpy(tile + plane + slot * d, v + h * d, (size_t)d * sizeof(float));
+            }
         }
     }
 }
@@ -98,23 +102,28 @@ int64_t llmc_attention_tasks(const llmc_attention *a) {
     return a->batch * (a->num_heads / heads_per_task(a)) * tiles;
 }
 
-/* Rows at or above which a task transposes each key block before scoring it (see below). */
-#define TRANSPOSE_ROWS 8
-
-/* Scores of R rows against a transposed 16-key block kt [d, 16]: R independent FMA chains, one
- * key-vector load feeding R of them. */
+/* Scores of R rows against a 16-key tile kt [d, 16] (keys transposed): one key-vector load
+ * feeds R FMA chains; with few rows each chain is split in P over head_dim so that enough
+ * independent FMAs are in flight to hide their latency. */
 static inline __attribute__((always_inline)) void scores16(const float *restrict q, const float *restrict kt,
-                                                           float *restrict s, const int64_t d, const int R) {
-    v16 acc[R];
+                                                           float *restrict s, const int64_t d, const int R,
+                                                           const int P) {
+    v16 acc[R][P];
     for (int r = 0; r < R; r++)
-        acc[r] = (v16){0};
-    for (int64_t i = 0; i < d; i++) {
-        v16 k = VLOAD(kt + i * 16);
-        for (int r = 0; r < R; r++)
-            acc[r] += q[r * d + i] * k;
+        for (int c = 0; c < P; c++)
+            acc[r][c] = (v16){0};
+    for (int64_t i = 0; i < d; i += P)
+        for (int c = 0; c < P; c++) {
+            v16 k = VLOAD(kt + (i + c) * 16);
+            for (int r = 0; r < R; r++)
+                acc[r][c] += q[r * d + i + c] * k;
+        }
+    for (int r = 0; r < R; r++) {
+        v16 sum = acc[r][0];
+        for (int c = 1; c < P; c++)
+            sum += acc[r][c];
+        VSTORE(s + r * 16, sum);
     }
-    for (int r = 0; r < R; r++)
-        VSTORE(s + r * 16, acc[r]);
 }
 
 /* acc[R, d] += w[R, n] @ V[n, d] with the R accumulator rows held in registers over all n keys. */
@@ -139,6 +148,15 @@ static inline __attribute__((always_inline)) void weigh_values(float *restrict a
             VSTORE(acc + r * d + v * 16, a[r][v]);
 }
 
+/* A (block, KV head)'s key tile and value tile, one plane apart: touched ahead of use, since a
+ * row's blocks lie anywhere in the pool and no hardware prefetcher can guess the next one. */
+static inline void prefetch_tiles(const float *key_tile, int64_t plane, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) {
+        __builtin_prefetch(key_tile + i, 0, 3);
+        __builtin_prefetch(key_tile + plane + i, 0, 3);
+    }
+}
+
 /* The body, inlined per (head_dim, block_size) so loops over them have constant trip counts. */
 static inline __attribute__((always_inline)) void attend(const llmc_attention *a, int64_t task, const int64_t d,
                                                          const int64_t bs) {
@@ -158,13 +176,13 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
     if (nq <= 0)
         return;
 
-    float *scratch = malloc((size_t)(rows * (2 * d + 2 + bs) + d * bs) * sizeof(float));
+    float *scratch = malloc((size_t)(rows * (2 * d + 2 + bs)) * sizeof(float));
     if (scratch == NULL) {  /* reported by the caller once every task has run */
         *a->out_of_memory = 1;
         return;
     }
     float *restrict q = scratch, *restrict acc = q + rows * d, *restrict m = acc + rows * d;
-    float *restrict l = m + rows, *restrict s = l + rows, *restrict kt = s + rows * bs;
+    float *restrict l = m + rows, *restrict s = l + rows;
     int64_t past = a->past_lens[b];
     for (int64_t r = 0; r < rows; r++) {
         int64_t j = j0 + r % nq;
@@ -179,50 +197,37 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
     int64_t first = 0, last = past + valid_end - 1;
     if (a->sliding_window > 0 && past + j0 - a->sliding_window + 1 > 0)
         first = past + j0 - a->sliding_window + 1;
-    int64_t row = hkv * d, plane = a->num_blocks * bs * row;
+    int64_t plane = a->num_blocks * hkv * bs * d;
     const int32_t *table = a->block_tables + b * a->max_blocks;
 
+    prefetch_tiles(a->cache + ((int64_t)table[first / bs] * hkv + kvh) * bs * d, plane, bs * d);
     for (int64_t t0 = first - first % bs; t0 <= last; t0 += bs) {
-        const float *restrict kb = a->cache + (int64_t)table[t0 / bs] * bs * row + kvh * d;
-        const float *restrict vb = kb + plane;
+        if (t0 + bs <= last)  /* the next block's tiles stream in while this one is used */
+            prefetch_tiles(a->cache + ((int64_t)table[t0 / bs + 1] * hkv + kvh) * bs * d, plane, bs * d);
+        const float *restrict kt = a->cache + ((int64_t)table[t0 / bs] * hkv + kvh) * bs * d;
+        const float *restrict vb = kt + plane;
         int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;  /* keys any row of the tile sees */
-        if (rows >= TRANSPOSE_ROWS) {
-            /* Many rows (prefill tiles): transpose the block to [d, bs] once, then each row's
-             * scores are bs-wide vector FMAs with no horizontal sums. */
+        int64_t r = 0;
+        if (bs == 16 && d % 4 == 0) {
+            for (; r + 8 <= rows; r += 8)
+                scores16(q + r * d, kt, s + r * bs, d, 8, 1);
+            if (rows - r >= 4)
+                scores16(q + r * d, kt, s + r * bs, d, 4, 2), r += 4;
+            if (rows - r == 3)  /* a decode task's GQA group of 3 heads */
+                scores16(q + r * d, kt, s + r * bs, d, 3, 4), r += 3;
+            for (; r < rows; r++)
+                scores16(q + r * d, kt, s + r * bs, d, 1, 4);
+        }
+        for (; r < rows; r++) {
+            const float *restrict qr = q + r * d;
+            float *restrict sr = s + r * bs;
             for (int64_t kk = 0; kk < bs; kk++)
-                for (int64_t i = 0; i < d; i++)
-                    kt[i * bs + kk] = kk < n ? kb[kk * row + i] : 0.0f;
-            int64_t r = 0;
-            if (bs == 16) {
-                for (; r + 8 <= rows; r += 8)
-                    scores16(q + r * d, kt, s + r * bs, d, 8);
-                for (; r < rows; r++)
-                    scores16(q + r * d, kt, s + r * bs, d, 1);
-            }
-            for (; r < rows; r++) {
-                const float *restrict qr = q + r * d;
-                float *restrict sr = s + r * bs;
-                for (int64_t kk = 0; kk < bs; kk++)
-                    sr[kk] = 0.0f;
-                for (int64_t i = 0; i < d; i++) {
-                    float qi = qr[i];
+                sr[kk] = 0.0f;
+            for (int64_t i = 0; i < d; i++) {
+                float qi = qr[i];
 #pragma omp simd
-                    for (int64_t kk = 0; kk < bs; kk++)
-                        sr[kk] += qi * kt[i * bs + kk];
-                }
-            }
-        } else {
-            /* A few rows (decode): one dot product per key and row, the key loaded once for all. */
-            for (int64_t kk = 0; kk < n; kk++) {
-                const float *restrict key = kb + kk * row;
-                for (int64_t r = 0; r < rows; r++) {
-                    const float *restrict qr = q + r * d;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t i = 0; i < d; i++)
-                        dot += qr[i] * key[i];
-                    s[r * bs + kk] = dot;
-                }
+                for (int64_t kk = 0; kk < bs; kk++)
+                    sr[kk] += qi * kt[i * bs + kk];
             }
         }
         for (int64_t r = 0; r < rows; r++) {
@@ -255,21 +260,21 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
             for (int64_t i = 0; i < d; i++)
                 ar[i] *= correction;
         }
-        int64_t r = 0;
+        r = 0;
         if (d % 16 == 0 && d <= 128) {  /* up to 4 rows of 64 or 2 of 128: <= 16 accumulator registers */
             for (; r + (d <= 64 ? 4 : 2) <= rows; r += d <= 64 ? 4 : 2)
-                weigh_values(acc + r * d, s + r * bs, bs, vb, row, n, d, d <= 64 ? 4 : 2);
+                weigh_values(acc + r * d, s + r * bs, bs, vb, d, n, d, d <= 64 ? 4 : 2);
             if (rows - r == 3)  /* a decode task's GQA group of 3 heads */
-                weigh_values(acc + r * d, s + r * bs, bs, vb, row, n, d, 3), r += 3;
+                weigh_values(acc + r * d, s + r * bs, bs, vb, d, n, d, 3), r += 3;
             else if (rows - r == 2)
-                weigh_values(acc + r * d, s + r * bs, bs, vb, row, n, d, 2), r += 2;
+                weigh_values(acc + r * d, s + r * bs, bs, vb, d, n, d, 2), r += 2;
             for (; r < rows; r++)
-                weigh_values(acc + r * d, s + r * bs, bs, vb, row, n, d, 1);
+                weigh_values(acc + r * d, s + r * bs, bs, vb, d, n, d, 1);
         }
         for (; r < rows; r++) {
             float *restrict ar = acc + r * d;
             for (int64_t kk = 0; kk < n; kk++) {
-                const float *restrict val = vb + kk * row;
+                const float *restrict val = vb + kk * d;
                 float w = s[r * bs + kk];
 #pragma omp simd
                 for (int64_t i = 0; i < d; i++)

@@ -105,19 +105,21 @@ static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
     if (q->rank != 3 || q->type != ORT_FLOAT)
         return error(op, "query must be float32 [batch, seq, heads * head_dim]");
     if (cache->rank != 5 || cache->type != ORT_FLOAT || cache->dims[0] != 2)
-        return error(op, "kv_cache must be float32 [2, num_blocks, block_size, kv_heads, head_dim]");
+        return error(op, "kv_cache must be float32 [2, num_blocks, kv_heads, block_size, head_dim]");
     llmc_attention a = {0};
     a.batch = q->dims[0];
     a.seq = q->dims[1];
     a.num_heads = kernel->num_heads;
     a.num_kv_heads = kernel->num_kv_heads;
     a.num_blocks = cache->dims[1];
-    a.block_size = cache->dims[2];
+    a.block_size = cache->dims[3];
     a.head_dim = cache->dims[4];
     if (a.num_blocks < 1 || a.block_size < 1 || a.head_dim < 1)
         return error(op, "kv_cache has an empty dimension");
-    if (cache->dims[3] != a.num_kv_heads || a.num_heads % a.num_kv_heads != 0)
+    if (cache->dims[2] != a.num_kv_heads || a.num_heads % a.num_kv_heads != 0)
         return error(op, "kv_cache's head count does not match num_kv_heads");
+    if (a.head_dim > LLMC_MAX_HEAD_DIM)
+        return error(op, "head_dim above 512 is not supported");
     int64_t d = a.head_dim, hq = a.num_heads * d, hkv = a.num_kv_heads * d;
     if (q->dims[2] != (packed ? hq + 2 * hkv : hq))
         return error(op, "query's last dim does not match the heads and head_dim");

@@ -10,6 +10,8 @@
 
 #include <stdint.h>
 
+#define LLMC_MAX_HEAD_DIM 512
+
 typedef struct {
     int64_t batch, seq, num_heads, num_kv_heads, head_dim;
     int64_t num_blocks, block_size, max_blocks;
@@ -20,7 +22,11 @@ typedef struct {
     const float *cos, *sin;
     int64_t rotary_dim, cos_batch_stride;
     int interleaved;
-    float *cache; /* [2, num_blocks, block_size, num_kv_heads, head_dim], updated in place */
+    /* The pool, updated in place, head-major: [2, num_blocks, num_kv_heads, block_size, head_dim],
+     * where each (block, KV head) key tile is stored transposed, [head_dim, block_size]. A
+     * tile is one contiguous run (4 KB at head_dim 64, block 16), and scoring a block is
+     * block-wide vector FMAs with no horizontal sums. */
+    float *cache;
     const int32_t *past_lens, *query_lens, *block_tables;
     float *out; /* [B, S, num_heads * head_dim] */
     float scale, softcap;

@@ -5,7 +5,8 @@ gathered copy of every row's blocks per layer plus ~16 small nodes (docs/attenti
 The kernels take the tensors as the projections produce them:
 
 - paged_attention: `llmc::PagedAttention` -> `llmc.cpu::PagedAttention`, which writes the step's
-  K/V into the pool and attends over the row's blocks where they lie. Its inputs are
+  K/V into the pool and attends over the row's blocks where they lie. Its pools are head-major
+  (llmc/kv_layout.py), so it takes every layer or none and the engine says so. Its inputs are
   token-major ([B, S, H*D], what the projection MatMul writes), so the Reshape/Transpose pairs
   around the op go. Two foldings ride along and are counted on their own:
   - rope_fused: Q and K's `RotaryEmbedding` (same cos/sin) is applied inside the kernel;
@@ -31,7 +32,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from llmc import kernels
+from llmc import kernels, kv_layout
 from llmc.ir_builder import OpBuilder
 from llmc.passes.base import (BuildContext, PassResult, RewriteRule, RulePass, const_ints, producer,
                               take_graph_output, weight)
@@ -96,6 +97,20 @@ class PagedAttentionKernel(RewriteRule):
         return {"node": node, "q": q, "k": k, "v": node.inputs[2], "rope_q": rope_q, "rope_k": rope_k}
 
     def check(self, m, ctx: BuildContext):
+        reason = self._check_layer(m)
+        if reason is not None:
+            return reason
+        # The kernel's pools are head-major (llmc/kv_layout.py) and an engine has one layout:
+        # every layer moves onto the kernel, or none does.
+        for node in m["node"].graph:
+            other = self.match(node, ctx) if node is not m["node"] else None
+            reason = self._check_layer(other) if other is not None else None
+            if reason is not None:
+                return f"{node.name} cannot use the kernel ({reason}), and all layers share one pool layout"
+        return None
+
+    @staticmethod
+    def _check_layer(m) -> str | None:
         rope_q, rope_k = m["rope_q"], m["rope_k"]
         if (rope_q is None) != (rope_k is None):
             return "only one of Q and K has a RotaryEmbedding"
@@ -275,6 +290,17 @@ class CPUKernels(_KernelPass):
     name = "cpu-kernels"
     description = "run PagedAttention (with its RoPE and packed QKV) and SwiGLU on llmc's CPU kernels"
     rules = (PagedAttentionKernel(), SwiGLUKernel())
+
+    def finish(self, model: ir.Model, ctx: BuildContext, counts) -> None:
+        super().finish(model, ctx, counts)
+        if counts.get(PagedAttentionKernel.name):
+            spec = ctx.spec
+            shape = ir.Shape(kv_layout.pool_shape(kv_layout.HEAD_MAJOR, "num_blocks", ctx.block_size,
+                                                  spec.num_kv_heads, spec.head_dim))
+            for value in [*model.graph.inputs, *model.graph.outputs]:
+                if value.name.startswith(("kv_cache.", "kv_cache_out.")):
+                    value.shape = shape
+            model.metadata_props[kv_layout.METADATA_KEY] = kv_layout.HEAD_MAJOR
 
 
 class PackedMatMuls(_KernelPass):

@@ -44,22 +44,14 @@ class GatherBeforeLMHead(RewriteRule):
         width = ops.Slice(ops.Shape(hidden), ops.const([2]), ops.const([3]))
         index = ops.Expand(ops.Reshape(last, ops.const([-1, 1, 1])),
                            ops.Concat(ops.const([1, 1]), width, axis=0))  # broadcasts to [B, 1, H]
-        picked = ops.GatherElements(hidden, index, axis=1)  # [B, 1, H]
-        squeeze_axes = ops.const([1])
+        # Squeezed before the head, not after: the head then writes [B, V] straight into the
+        # bound logits buffer, where a Squeeze after it copied B x V floats every step.
+        picked = ops.Squeeze(ops.GatherElements(hidden, index, axis=1), ops.const([1]))  # [B, H]
         graph.insert_before(head, ops.nodes)
         head.replace_input_with(0, picked)
-
-        old = head.outputs[0]
-        squeeze = ir.Node("", "Squeeze", [old, squeeze_axes], name="last_token_squeeze")
-        graph.insert_after(head, squeeze)
-        new = squeeze.outputs[0]
-        new.type = old.type
-        if old.shape is not None:
-            new.shape = ir.Shape([old.shape[0], old.shape[2]])
-        index_in_outputs = list(graph.outputs).index(old)
-        old.name = "lm_head_out"
-        new.name = LOGITS
-        graph.outputs[index_in_outputs] = new
+        logits = head.outputs[0]
+        if logits.shape is not None:
+            logits.shape = ir.Shape([logits.shape[0], logits.shape[2]])
 
 
 class LastTokenLogits(RulePass):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from llmc import kv_layout
 from llmc.passes.base import BuildContext
 
 ATOL = 1e-4
@@ -69,12 +70,13 @@ class _PagedScenario:
         num_blocks = 1 + 2 * self.max_blocks
         perm = self.rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
         self.tables = perm.reshape(2, self.max_blocks)
-        self.cache_shape = (2, num_blocks, self.bs, spec.num_kv_heads, spec.head_dim)
+        self.pool_dims = (num_blocks, self.bs, spec.num_kv_heads, spec.head_dim)
         self.vocab = spec.vocab_size
         self.num_layers = spec.num_layers
 
-    def empty_caches(self) -> dict[str, np.ndarray]:
-        return {f"kv_cache.{i}": np.zeros(self.cache_shape, np.float32) for i in range(self.num_layers)}
+    def empty_caches(self, layout: str) -> dict[str, np.ndarray]:
+        shape = kv_layout.pool_shape(layout, *self.pool_dims)
+        return {f"kv_cache.{i}": np.zeros(shape, np.float32) for i in range(self.num_layers)}
 
     def steps(self):
         batch, seq = len(self.prompt_lens), int(self.prompt_lens.max())
@@ -117,12 +119,13 @@ def compare(before: ir.Model, after: ir.Model, ctx: BuildContext, atol: float = 
         seq = feeds["input_ids"].shape[1]
         feeds["query_lens"] = np.full(2, seq, np.int32)
         ref = _run(s_before, feeds)["logits"]
-        got = _run(s_after, {**feeds, **scenario.empty_caches()})["logits"]
+        got = _run(s_after, {**feeds, **scenario.empty_caches(kv_layout.of_model(after))})["logits"]
         ref = ref[:, -1] if got.ndim == 2 else ref
         diffs.append(float(np.abs(ref - got).max()))
     else:
         scenario = _PagedScenario(ctx)
-        caches = [scenario.empty_caches(), scenario.empty_caches()]
+        layouts = [kv_layout.of_model(before), kv_layout.of_model(after)]
+        caches = [scenario.empty_caches(layout) for layout in layouts]
         for feeds in scenario.steps():
             outs = []
             for k, sess in enumerate((s_before, s_after)):
@@ -131,8 +134,9 @@ def compare(before: ir.Model, after: ir.Model, ctx: BuildContext, atol: float = 
                              for name, v in out.items() if name.startswith("kv_cache_out.")}
                 outs.append(_last_valid(out["logits"], feeds["query_lens"]))
             diffs.append(float(np.abs(outs[0] - outs[1]).max()))
-        for name in caches[0]:  # block 0 is scratch: padding writes land there in any order
-            diffs.append(float(np.abs(caches[0][name][:, 1:] - caches[1][name][:, 1:]).max()))
+        for name in caches[0]:  # compared token-major; block 0 is scratch: padding writes land there in any order
+            pools = [kv_layout.to_token_major(caches[k][name], layouts[k]) for k in (0, 1)]
+            diffs.append(float(np.abs(pools[0][:, 1:] - pools[1][:, 1:]).max()))
     worst = max(diffs)
     if not worst <= atol:
         raise PassVerificationError(f"outputs differ by {worst:.3g} (> {atol:g}) after the pass")

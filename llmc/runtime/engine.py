@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc import kernels
+from llmc import kernels, kv_layout
 from llmc.artifact import engine_file, load_manifest
 from llmc.errors import EngineError, LlmcError, first_line
 from llmc.spec import ModelSpec
@@ -53,6 +53,9 @@ class Engine:
             self.spec = ModelSpec.from_dict(manifest["model_spec"])
             kv = manifest["kv_cache"]
             self.block_size = int(kv["block_size"])
+            self.kv_layout = kv["layout"]
+            if self.kv_layout not in kv_layout.LAYOUTS:
+                raise ValueError(f"unknown kv_cache.layout {self.kv_layout!r}")
             self.max_context = int(manifest["max_context"])
             self.io = manifest["io"]
             model_path = engine_file(self.dir, manifest, manifest["payload"]["model"])
@@ -95,7 +98,8 @@ class Engine:
         self.graph_optimization_level = graph_optimization_level
 
         self.num_blocks = self._pool_blocks(kv_cache_blocks, kv_cache_bytes)
-        shape = (2, self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = kv_layout.pool_shape(self.kv_layout, self.num_blocks, self.block_size, self.spec.num_kv_heads,
+                                     self.spec.head_dim)
         self._pools = []
         self._binding = self.session.io_binding()
         for cache_in, cache_out in zip(self.io["cache_inputs"], self.io["cache_outputs"]):
