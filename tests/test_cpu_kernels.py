@@ -65,6 +65,11 @@ CASES = {
     "prefill-head-dim-128-block-16": dict(seq=13, past=(0, 9), qlen=(13, 10), heads=6, kv_heads=2, head_dim=128,
                                           block=16),
     "decode-head-dim-48-block-8": dict(seq=1, past=(3, 30), qlen=(1, 1), heads=10, kv_heads=5, head_dim=48, block=8),
+    # Decode with fewer (row, KV head) pairs than threads need (a task per query head): long,
+    # short and padding rows, and a window that starts mid-block.
+    "decode-few-rows": dict(seq=1, past=(70, 3, 20), qlen=(1, 1, 0), heads=4, kv_heads=1, head_dim=64, block=16),
+    "decode-few-rows-window": dict(seq=1, past=(90, 40), qlen=(1, 1), heads=6, kv_heads=2, head_dim=16, block=4,
+                                  window=21),
     "decode-head-dim-6-block-16": dict(seq=1, past=(40, 17), qlen=(1, 1), heads=4, kv_heads=2, head_dim=6, block=16,
                                        rotary=0),
 }
@@ -112,9 +117,10 @@ def test_paged_attention_kernel_matches_the_reference(case):
     np.testing.assert_allclose(cache_out[:, 1:], ref_cache[:, 1:], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (3, 40, 70), (8, 64, 32), (13, 17, 5), (37, 96, 100)])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (3, 40, 70), (8, 64, 32), (13, 17, 5), (20, 33, 64),
+                                     (37, 96, 100)])
 def test_packed_matmul_matches_numpy(rows, k, n):
-    """Every row-tile size (8/4/1) and a partial last column panel."""
+    """Every row-tile size (12/8/4/1) and a partial last column panel."""
     from llmc.passes.cpu_kernels import pack_weight
 
     rng = np.random.default_rng(rows)
@@ -124,6 +130,24 @@ def test_packed_matmul_matches_numpy(rows, k, n):
     np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="does not match the weight's K"):
         sess.run(None, {"x": x[..., 1:].copy(), "w": pack_weight(w)})
+
+
+@pytest.mark.parametrize("rows", [1, 13])
+def test_skip_rmsnorm_matmul_matches_numpy(rows):
+    """The residual sum, and the product of its RMS-normed rows with a packed weight."""
+    from llmc.passes.cpu_kernels import pack_weight
+
+    rng = np.random.default_rng(rows)
+    x, skip = (rng.standard_normal((1, rows, 40), dtype=np.float32) for _ in range(2))
+    gamma, w = rng.standard_normal(40, dtype=np.float32), rng.standard_normal((40, 70), dtype=np.float32)
+    sess = _session("SkipRMSNormMatMul", ["x", "skip", "gamma", "w"], ["y", "sum"], n=70, epsilon=1e-5)
+    y, total = sess.run(None, {"x": x, "skip": skip, "gamma": gamma, "w": pack_weight(w)})
+    ref_sum = x + skip
+    normed = ref_sum / np.sqrt((ref_sum.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * gamma
+    np.testing.assert_array_equal(total, ref_sum)
+    np.testing.assert_allclose(y, normed @ w, rtol=1e-5, atol=1e-4)
+    with pytest.raises(Exception, match="skip must match the input's shape"):
+        sess.run(None, {"x": x, "skip": skip[..., :39].copy(), "gamma": gamma, "w": pack_weight(w)})
 
 
 def test_paged_attention_kernel_rejects_bad_metadata_with_a_message():

@@ -1,4 +1,5 @@
-/* ONNX Runtime custom-op library: domain "llmc.cpu", ops PagedAttention, SwiGLU, PackedMatMul.
+/* ONNX Runtime custom-op library: domain "llmc.cpu", ops PagedAttention, SwiGLU, PackedMatMul,
+ * SkipRMSNormMatMul.
  * ORT calls RegisterCustomOps when a session registers this library; the kernels then run on
  * ORT's intra-op thread pool (KernelContext_ParallelFor), so they share its threads and spinning
  * settings instead of bringing threads of their own. */
@@ -223,6 +224,7 @@ static OrtStatus *swiglu_compute(void *state, OrtKernelContext *ctx) {
 
 typedef struct {
     int64_t n;
+    float epsilon; /* SkipRMSNormMatMul's */
 } linear_kernel;
 
 typedef struct {
@@ -255,6 +257,47 @@ static OrtStatus *linear_compute(void *state, OrtKernelContext *ctx) {
     if (job.m == 0)
         return NULL;
     return parallel(ctx, linear_one, (size_t)w.dims[0], &job);
+}
+
+/* -- SkipRMSNormMatMul: a residual add and RMSNorm, then PackedMatMul on the normed rows --------- */
+
+static OrtStatus *norm_linear_compute(void *state, OrtKernelContext *ctx) {
+    const linear_kernel *kernel = state;
+    const char *op = "SkipRMSNormMatMul";
+    tensor x, skip, gamma, w;
+    TRY(input(ctx, 0, &x));
+    TRY(input(ctx, 1, &skip));
+    TRY(input(ctx, 2, &gamma));
+    TRY(input(ctx, 3, &w));
+    if (w.type != ORT_FLOAT || w.rank != 3 || w.dims[2] != LLMC_PANEL || w.dims[0] * LLMC_PANEL < kernel->n ||
+        (w.dims[0] - 1) * LLMC_PANEL >= kernel->n)
+        return error(op, "weight must be float32 [ceil(n / 32), K, 32] (packed by llmc build)");
+    if (x.type != ORT_FLOAT || x.rank < 1 || x.dims[x.rank - 1] != w.dims[1])
+        return error(op, "input's last dim does not match the weight's K");
+    if (skip.type != ORT_FLOAT || skip.rank != x.rank || memcmp(skip.dims, x.dims, sizeof x.dims) != 0 ||
+        gamma.type != ORT_FLOAT || gamma.rank != 1 || gamma.dims[0] != w.dims[1])
+        return error(op, "skip must match the input's shape and gamma be [K]");
+    int64_t dims[8];
+    linear_job job = {.k = w.dims[1], .n = kernel->n, .m = rows_with_last(&x, kernel->n, dims)};
+    const float *x_data, *skip_data, *gamma_data;
+    float *sum;
+    TRY(data(x.value, (void **)&x_data));
+    TRY(data(skip.value, (void **)&skip_data));
+    TRY(data(gamma.value, (void **)&gamma_data));
+    TRY(data(w.value, (void **)&job.w));
+    TRY(output(ctx, 0, dims, x.rank, (void **)&job.y));
+    TRY(output(ctx, 1, x.dims, x.rank, (void **)&sum));
+    if (job.m == 0)
+        return NULL;
+    float *normed = malloc((size_t)(job.m * job.k) * sizeof(float));
+    if (normed == NULL)
+        return error(op, "out of memory for the normed rows");
+    /* The norm is a sliver of the work (one pass over the rows); the GEMM is split over panels. */
+    llmc_skip_rmsnorm_rows(x_data, skip_data, gamma_data, sum, normed, job.k, kernel->epsilon, 0, job.m);
+    job.x = normed;
+    OrtStatus *status = parallel(ctx, linear_one, (size_t)w.dims[0], &job);
+    free(normed);
+    return status;
 }
 
 /* -- the ops' descriptions --------------------------------------------------------------------- */
@@ -314,6 +357,7 @@ static OrtStatus *linear_create(const OrtCustomOp *op, const OrtApi *ort, const 
     if (k == NULL)
         return error("PackedMatMul", "out of memory");
     read_int(info, "n", 0, &k->n);
+    read_float(info, "epsilon", 1e-6f, &k->epsilon);
     if (k->n <= 0) {
         free(k);
         return error("PackedMatMul", "attribute n (output columns) must be positive");
@@ -385,7 +429,7 @@ static void define(op_description *d, const char *name, create_fn create, comput
     op->GetEndVersion = end_version;
 }
 
-static op_description attention_op, swiglu_op, linear_op;
+static op_description attention_op, swiglu_op, linear_op, norm_linear_op;
 
 EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(LLMC_ORT_API_VERSION);
@@ -398,6 +442,8 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
                attention_input_type, attention_input_kind);
         define(&swiglu_op, "SwiGLU", swiglu_create, swiglu_compute, 1, 1, float_type, required);
         define(&linear_op, "PackedMatMul", linear_create, linear_compute, 2, 1, float_type, required);
+        define(&norm_linear_op, "SkipRMSNormMatMul", linear_create, norm_linear_compute, 4, 2, float_type,
+               required);
     }
 
     OrtCustomOpDomain *domain;
@@ -405,5 +451,6 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &attention_op.op));
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &swiglu_op.op));
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &linear_op.op));
+    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &norm_linear_op.op));
     return CALL(ORT_AddCustomOpDomain, ort_add_domain_fn, options, domain);
 }

@@ -47,10 +47,15 @@ void llmc_attention_task(const llmc_attention *a, int64_t task);
 void llmc_swiglu_rows(const float *x, float *out, int64_t width, int64_t row0, int64_t row1);
 
 /* y[M, N] = x[M, K] @ W for W packed as [ceil(N / 32), K, 32] (column panels of 32, zero-padded):
- * each panel streams once from memory while up to 8 rows accumulate in registers, so small-M
+ * each panel streams once from memory while up to 12 rows accumulate in registers, so small-M
  * (decode) products cost the weight read, not M passes over it. Computes panels [p0, p1). */
 #define LLMC_PANEL 32
 void llmc_linear_panels(const float *x, const float *w_packed, float *y, int64_t m, int64_t k, int64_t n,
                         int64_t p0, int64_t p1);
+
+/* For rows [row0, row1) of x and skip ([rows, k]): sum = x + skip, and
+ * normed = sum / sqrt(mean(sum^2) + epsilon) * gamma (ORT's SkipSimplifiedLayerNormalization). */
+void llmc_skip_rmsnorm_rows(const float *x, const float *skip, const float *gamma, float *sum, float *normed,
+                            int64_t k, float epsilon, int64_t row0, int64_t row1);
 
 #endif

@@ -17,7 +17,7 @@ The kernels take the tensors as the projections produce them:
 
 A second pass, packed-matmul, runs last (after the layout pass has settled which weights are
 stored transposed) and moves every constant-weight MatMul onto `llmc.cpu::PackedMatMul`, its
-weight stored as column panels [ceil(N/32), K, 32]. Each panel streams once while up to 8 rows
+weight stored as column panels [ceil(N/32), K, 32]. Each panel streams once while up to 12 rows
 accumulate in registers, so a decode step of 8 or 16 rows costs about one read of the weights;
 ORT's MLAS GEMM was measured 13-23% slower there (docs/attention_cpu.md).
 
@@ -273,6 +273,54 @@ class PackedMatMul(RewriteRule):
         model.opset_imports[kernels.DOMAIN] = kernels.VERSION
 
 
+class SkipRMSNormMatMul(RewriteRule):
+    """SkipSimplifiedLayerNormalization whose normed output feeds only a PackedMatMul -> one
+    `llmc.cpu::SkipRMSNormMatMul(x, skip, gamma, w)` returning (product, residual sum). The norm
+    is a sliver of arithmetic; what goes is a node and its dispatch (~10 us each at batch 1,
+    twice per layer)."""
+
+    name = "skip_rmsnorm_matmul"
+
+    def match(self, node, ctx: BuildContext):
+        if node.domain != kernels.DOMAIN or node.op_type != "PackedMatMul":
+            return None
+        norm = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if norm is None or norm.op_type != "SkipSimplifiedLayerNormalization" or norm.domain != "com.microsoft":
+            return None
+        return {"matmul": node, "norm": norm}
+
+    def check(self, m, ctx: BuildContext):
+        norm = m["norm"]
+        normed, *stats = norm.outputs[:3]
+        if len(normed.uses()) != 1 or normed.is_graph_output():
+            return "the normed value has other consumers"
+        if any(v.uses() or v.is_graph_output() for v in stats):
+            return "the norm's mean or inverse std-dev is used"
+        if len(norm.inputs) > 3 and norm.inputs[3] is not None:
+            return "the norm has a bias input"
+        return None
+
+    def rewrite(self, m, ctx: BuildContext, model: ir.Model):
+        matmul, norm = m["matmul"], m["norm"]
+        fused = ir.Node(kernels.DOMAIN, "SkipRMSNormMatMul", [*norm.inputs[:3], matmul.inputs[1]],
+                        attributes=[matmul.attributes["n"],
+                                    ir.AttrFloat32("epsilon", norm.attributes.get_float("epsilon", 1e-5))],
+                        num_outputs=2, name=f"{matmul.name}_normed")
+        product, total = fused.outputs
+        olds = (matmul.outputs[0], norm.outputs[3] if len(norm.outputs) > 3 else None)
+        for new, old in zip((product, total), olds):
+            if old is not None:
+                new.name, new.type, new.shape = f"{old.name}_fused", old.type, old.shape
+        model.graph.insert_before(norm, fused)
+        for new, old in zip((product, total), olds):
+            if old is None:
+                continue
+            if old.is_graph_output():
+                take_graph_output(model.graph, old, new)
+            ir.convenience.replace_all_uses_with(old, new)
+        model.graph.remove([matmul, norm], safe=True)
+
+
 class _KernelPass(RulePass):
     """A rule pass whose rewrites target llmc's kernel library: it stands aside without it."""
 
@@ -305,5 +353,7 @@ class CPUKernels(_KernelPass):
 
 class PackedMatMuls(_KernelPass):
     name = "packed-matmul"
-    description = "run constant-weight MatMuls on llmc's panel-packed kernel (weights stored packed)"
-    rules = (PackedMatMul(),)
+    description = ("run constant-weight MatMuls on llmc's panel-packed kernel (weights stored packed), "
+                   "a residual add + RMSNorm before one folded in")
+    rules = (PackedMatMul(), SkipRMSNormMatMul())
+    fixed_point = True  # the fold matches the PackedMatMuls the first sweep made
