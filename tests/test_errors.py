@@ -90,6 +90,20 @@ def test_engine_unknown_schema_version(engine_copy):
     _assert_one_line_error(["run", str(engine_copy), "hi"], "newer llmc")
 
 
+def test_engine_unknown_kv_cache_layout(engine_copy):
+    manifest = json.loads((engine_copy / "manifest.json").read_text())
+    manifest["kv_cache"]["layout"] = "diagonal"
+    (engine_copy / "manifest.json").write_text(json.dumps(manifest))
+    _assert_one_line_error(["run", str(engine_copy), "hi"], "unknown kv_cache.layout 'diagonal'")
+
+
+def test_engine_of_an_older_schema_says_rebuild(engine_copy):
+    manifest = json.loads((engine_copy / "manifest.json").read_text())
+    manifest["schema_version"] = 1  # before kv_cache.layout: its kernel pools were laid out otherwise
+    (engine_copy / "manifest.json").write_text(json.dumps(manifest))
+    _assert_one_line_error(["run", str(engine_copy), "hi"], "rebuild it with `llmc build`")
+
+
 def test_no_engine_at_path(tmp_path):
     _assert_one_line_error(["run", str(tmp_path / "missing"), "hi"], "no engine at")
 

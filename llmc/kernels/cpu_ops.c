@@ -233,6 +233,16 @@ typedef struct {
     int64_t m, k, n;
 } linear_job;
 
+/* x [.., K] against a weight packed for n output columns: [ceil(n / 32), K, 32]. */
+static OrtStatus *check_packed(const char *op, const linear_kernel *kernel, const tensor *x, const tensor *w) {
+    if (w->type != ORT_FLOAT || w->rank != 3 || w->dims[2] != LLMC_PANEL || w->dims[0] * LLMC_PANEL < kernel->n ||
+        (w->dims[0] - 1) * LLMC_PANEL >= kernel->n)
+        return error(op, "weight must be float32 [ceil(n / 32), K, 32] (packed by llmc build)");
+    if (x->type != ORT_FLOAT || x->rank < 1 || x->dims[x->rank - 1] != w->dims[1])
+        return error(op, "input's last dim does not match the weight's K");
+    return NULL;
+}
+
 static void linear_one(void *arg, size_t panel) {
     const linear_job *job = arg;
     llmc_linear_panels(job->x, job->w, job->y, job->m, job->k, job->n, (int64_t)panel, (int64_t)panel + 1);
@@ -244,11 +254,7 @@ static OrtStatus *linear_compute(void *state, OrtKernelContext *ctx) {
     tensor x, w;
     TRY(input(ctx, 0, &x));
     TRY(input(ctx, 1, &w));
-    if (w.type != ORT_FLOAT || w.rank != 3 || w.dims[2] != LLMC_PANEL || w.dims[0] * LLMC_PANEL < kernel->n ||
-        (w.dims[0] - 1) * LLMC_PANEL >= kernel->n)
-        return error(op, "weight must be float32 [ceil(n / 32), K, 32] (packed by llmc build)");
-    if (x.type != ORT_FLOAT || x.rank < 1 || x.dims[x.rank - 1] != w.dims[1])
-        return error(op, "input's last dim does not match the weight's K");
+    TRY(check_packed(op, kernel, &x, &w));
     int64_t dims[8];
     linear_job job = {.k = w.dims[1], .n = kernel->n, .m = rows_with_last(&x, kernel->n, dims)};
     TRY(data(x.value, (void **)&job.x));
@@ -269,11 +275,7 @@ static OrtStatus *norm_linear_compute(void *state, OrtKernelContext *ctx) {
     TRY(input(ctx, 1, &skip));
     TRY(input(ctx, 2, &gamma));
     TRY(input(ctx, 3, &w));
-    if (w.type != ORT_FLOAT || w.rank != 3 || w.dims[2] != LLMC_PANEL || w.dims[0] * LLMC_PANEL < kernel->n ||
-        (w.dims[0] - 1) * LLMC_PANEL >= kernel->n)
-        return error(op, "weight must be float32 [ceil(n / 32), K, 32] (packed by llmc build)");
-    if (x.type != ORT_FLOAT || x.rank < 1 || x.dims[x.rank - 1] != w.dims[1])
-        return error(op, "input's last dim does not match the weight's K");
+    TRY(check_packed(op, kernel, &x, &w));
     if (skip.type != ORT_FLOAT || skip.rank != x.rank || memcmp(skip.dims, x.dims, sizeof x.dims) != 0 ||
         gamma.type != ORT_FLOAT || gamma.rank != 1 || gamma.dims[0] != w.dims[1])
         return error(op, "skip must match the input's shape and gamma be [K]");
