@@ -150,6 +150,20 @@ def test_skip_rmsnorm_matmul_matches_numpy(rows):
         sess.run(None, {"x": x, "skip": skip[..., :39].copy(), "gamma": gamma, "w": pack_weight(w)})
 
 
+@pytest.mark.parametrize("rows", [1, 13])
+def test_swiglu_matmul_matches_numpy(rows):
+    from llmc.passes.cpu_kernels import pack_weight
+
+    rng = np.random.default_rng(rows)
+    x, w = rng.standard_normal((1, rows, 2 * 40), dtype=np.float32), rng.standard_normal((40, 70), dtype=np.float32)
+    sess = _session("SwiGLUMatMul", ["x", "w"], ["y"], n=70)
+    y, = sess.run(None, {"x": x, "w": pack_weight(w)})
+    gate, up = x[..., :40].astype(np.float64), x[..., 40:]
+    np.testing.assert_allclose(y, (gate / (1 + np.exp(-gate)) * up) @ w, rtol=1e-5, atol=1e-4)
+    with pytest.raises(Exception, match="input's last dim does not match the weight's K"):
+        sess.run(None, {"x": x[..., 2:].copy(), "w": pack_weight(w)})
+
+
 def test_paged_attention_kernel_rejects_bad_metadata_with_a_message():
     sess = _session("PagedAttention", ["q", "", "", "cache", "past", "qlen", "tables"], ["out", "cache_out"],
                     num_heads=2, num_kv_heads=1, scale=1.0)

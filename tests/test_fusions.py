@@ -37,8 +37,9 @@ def _expected_counts(layers: int, tied: bool, with_kernels: bool) -> dict[str, d
                                  "swiglu": layers}
         counts["simplify-layout"] = layout
         # Every projection and the LM head; each residual norm but the final one (which feeds the
-        # last-token pick) folds into the projection it feeds.
-        counts["packed-matmul"] = {"packed_matmul": 4 * layers + 1, "skip_rmsnorm_matmul": 2 * layers - 1}
+        # last-token pick) folds into the projection it feeds, and each SwiGLU into the down one.
+        counts["packed-matmul"] = {"packed_matmul": 4 * layers + 1, "skip_rmsnorm_matmul": 2 * layers - 1,
+                                   "swiglu_matmul": layers}
     else:
         # Q and K each go through RoPE; V and the attention output each had a transpose pair.
         counts["simplify-layout"] = {**layout, "rope_3d": 2 * layers, "transpose_pair": 2 * layers,
@@ -71,16 +72,16 @@ def test_fusions_fire_and_the_engine_still_matches_hf(recipe, with_kernels, engi
 
     ops = _ops(engine_dir)
     # qkv, o, gate_up, down per layer, and the LM head: on llmc's packed GEMM with the kernels,
-    # where the residual norms fold into the projections they feed
+    # where the residual norms and SwiGLU fold into the projections they feed
     assert ops["Transpose"] == 0 and ops["Sigmoid"] == 0
     if with_kernels:
-        assert ops["PackedMatMul"] + ops["SkipRMSNormMatMul"] == 4 * layers + 1
+        assert ops["PackedMatMul"] + ops["SkipRMSNormMatMul"] + ops["SwiGLUMatMul"] == 4 * layers + 1
         assert ops["SkipRMSNormMatMul"] == 2 * layers - 1 and ops["SkipSimplifiedLayerNormalization"] == 1
-        assert ops["PagedAttention"] == ops["SwiGLU"] == layers
+        assert ops["PagedAttention"] == ops["SwiGLUMatMul"] == layers and ops["SwiGLU"] == 0
         assert sum(ops[op] for op in ("QuickGelu", "Split", "RotaryEmbedding", "GatherND", "ScatterND")) == 0
-        # Per layer: 2 norm+projections, 2 projections, attention, SwiGLU. The rest is once per
-        # step (RoPE angles, the last-token pick), so it must not grow with the layer count.
-        assert sum(ops.values()) - 6 * layers <= 30
+        # Per layer: 2 norm+projections, the output projection, attention, SwiGLU+down. The rest
+        # is once per step (RoPE angles, the last-token pick): it must not grow with the layers.
+        assert sum(ops.values()) - 5 * layers <= 30
     else:
         assert ops["MatMul"] == 4 * layers + 1 and ops["SkipSimplifiedLayerNormalization"] == 2 * layers
         assert ops["QuickGelu"] == layers and ops["ScatterND"] == layers

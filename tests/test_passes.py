@@ -23,7 +23,8 @@ COMMON_COUNTS = {
 }
 KERNEL_COUNTS = {**COMMON_COUNTS, "cpu-kernels": {"paged_attention": 2, "rope_fused": 2, "qkv_packed": 2,
                                                   "swiglu": 2},
-                 "packed-matmul": {"packed_matmul": 9, "skip_rmsnorm_matmul": 3}}
+                 "packed-matmul": {"packed_matmul": 9, "skip_rmsnorm_matmul": 3,
+                                   "swiglu_matmul": 2}}
 COMPOSED_COUNTS = {**COMMON_COUNTS, "ort-lower": {"paged_attention_lowered": 2, "shared_step_metadata": 1},
                    "simplify-layout": {"rope_3d": 4, "transpose_pair": 4, "reshape_chain": 4}}
 COMPOSED_PASSES = [p for p in ALL_PASSES if p not in ("cpu-kernels", "packed-matmul")]

@@ -1,5 +1,5 @@
 /* ONNX Runtime custom-op library: domain "llmc.cpu", ops PagedAttention, SwiGLU, PackedMatMul,
- * SkipRMSNormMatMul.
+ * SkipRMSNormMatMul, SwiGLUMatMul.
  * ORT calls RegisterCustomOps when a session registers this library; the kernels then run on
  * ORT's intra-op thread pool (KernelContext_ParallelFor), so they share its threads and spinning
  * settings instead of bringing threads of their own. */
@@ -203,6 +203,15 @@ static void swiglu_one(void *arg, size_t task) {
     llmc_swiglu_rows(job->x, job->out, job->width, row0, row1 < job->rows ? row1 : job->rows);
 }
 
+/* out[rows, width] = silu(gate) * up of x[rows, 2 * width]: a decode row is too little work to
+ * split; prefill rows go in groups of 8. */
+static OrtStatus *swiglu_rows(OrtKernelContext *ctx, const float *x, float *out, int64_t width, int64_t rows) {
+    swiglu_job job = {.x = x, .out = out, .width = width, .rows = rows, .rows_per_task = rows < 8 ? rows : 8};
+    if (rows == 0)
+        return NULL;
+    return parallel(ctx, swiglu_one, (size_t)((rows + job.rows_per_task - 1) / job.rows_per_task), &job);
+}
+
 static OrtStatus *swiglu_compute(void *state, OrtKernelContext *ctx) {
     (void)state;
     tensor x;
@@ -210,14 +219,11 @@ static OrtStatus *swiglu_compute(void *state, OrtKernelContext *ctx) {
     if (x.type != ORT_FLOAT || x.rank < 1 || x.dims[x.rank - 1] % 2 != 0)
         return error("SwiGLU", "input must be float32 with an even last dim (gate then up)");
     int64_t dims[8], rows = rows_with_last(&x, x.dims[x.rank - 1] / 2, dims);
-    swiglu_job job = {.width = dims[x.rank - 1], .rows = rows};
-    TRY(data(x.value, (void **)&job.x));
-    TRY(output(ctx, 0, dims, x.rank, (void **)&job.out));
-    /* A decode row is too little work to split; prefill rows go in groups of 8. */
-    job.rows_per_task = rows < 8 ? rows : 8;
-    if (rows == 0)
-        return NULL;
-    return parallel(ctx, swiglu_one, (size_t)((rows + job.rows_per_task - 1) / job.rows_per_task), &job);
+    const float *in;
+    float *out;
+    TRY(data(x.value, (void **)&in));
+    TRY(output(ctx, 0, dims, x.rank, (void **)&out));
+    return swiglu_rows(ctx, in, out, dims[x.rank - 1], rows);
 }
 
 /* -- PackedMatMul ------------------------------------------------------------------------------ */
@@ -299,6 +305,38 @@ static OrtStatus *norm_linear_compute(void *state, OrtKernelContext *ctx) {
     job.x = normed;
     OrtStatus *status = parallel(ctx, linear_one, (size_t)w.dims[0], &job);
     free(normed);
+    return status;
+}
+
+/* -- SwiGLUMatMul: PackedMatMul on silu(gate) * up of the merged gate/up rows ------------------- */
+
+static OrtStatus *swiglu_linear_compute(void *state, OrtKernelContext *ctx) {
+    const linear_kernel *kernel = state;
+    const char *op = "SwiGLUMatMul";
+    tensor x, w;
+    TRY(input(ctx, 0, &x));
+    TRY(input(ctx, 1, &w));
+    if (x.rank < 1 || x.dims[x.rank - 1] % 2 != 0)
+        return error(op, "input must have an even last dim (gate then up)");
+    tensor halves = x;  /* what the product reads: [.., K] */
+    halves.dims[x.rank - 1] /= 2;
+    TRY(check_packed(op, kernel, &halves, &w));
+    int64_t dims[8];
+    linear_job job = {.k = w.dims[1], .n = kernel->n, .m = rows_with_last(&x, kernel->n, dims)};
+    const float *x_data;
+    TRY(data(x.value, (void **)&x_data));
+    TRY(data(w.value, (void **)&job.w));
+    TRY(output(ctx, 0, dims, x.rank, (void **)&job.y));
+    if (job.m == 0)
+        return NULL;
+    float *h = malloc((size_t)(job.m * job.k) * sizeof(float));
+    if (h == NULL)
+        return error(op, "out of memory for the activated rows");
+    OrtStatus *status = swiglu_rows(ctx, x_data, h, job.k, job.m);
+    job.x = h;
+    if (status == NULL)
+        status = parallel(ctx, linear_one, (size_t)w.dims[0], &job);
+    free(h);
     return status;
 }
 
@@ -431,7 +469,7 @@ static void define(op_description *d, const char *name, create_fn create, comput
     op->GetEndVersion = end_version;
 }
 
-static op_description attention_op, swiglu_op, linear_op, norm_linear_op;
+static op_description attention_op, swiglu_op, linear_op, norm_linear_op, swiglu_linear_op;
 
 EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(LLMC_ORT_API_VERSION);
@@ -446,6 +484,8 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
         define(&linear_op, "PackedMatMul", linear_create, linear_compute, 2, 1, float_type, required);
         define(&norm_linear_op, "SkipRMSNormMatMul", linear_create, norm_linear_compute, 4, 2, float_type,
                required);
+        define(&swiglu_linear_op, "SwiGLUMatMul", linear_create, swiglu_linear_compute, 2, 1, float_type,
+               required);
     }
 
     OrtCustomOpDomain *domain;
@@ -454,5 +494,6 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &swiglu_op.op));
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &linear_op.op));
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &norm_linear_op.op));
+    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &swiglu_linear_op.op));
     return CALL(ORT_AddCustomOpDomain, ort_add_domain_fn, options, domain);
 }

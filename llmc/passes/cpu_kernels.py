@@ -321,6 +321,41 @@ class SkipRMSNormMatMul(RewriteRule):
         model.graph.remove([matmul, norm], safe=True)
 
 
+class SwiGLUMatMul(RewriteRule):
+    """`llmc.cpu::SwiGLU` feeding only a PackedMatMul (the down projection) ->
+    `llmc.cpu::SwiGLUMatMul(gate_up, w)`: the activation computed on the way into the GEMM, one
+    node and its dispatch fewer per layer."""
+
+    name = "swiglu_matmul"
+
+    def match(self, node, ctx: BuildContext):
+        if node.domain != kernels.DOMAIN or node.op_type != "PackedMatMul":
+            return None
+        act = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if act is None or act.op_type != "SwiGLU" or act.domain != kernels.DOMAIN:
+            return None
+        return {"matmul": node, "act": act}
+
+    def check(self, m, ctx: BuildContext):
+        out = m["act"].outputs[0]
+        if len(out.uses()) != 1 or out.is_graph_output():
+            return "the activation has other consumers"
+        return None
+
+    def rewrite(self, m, ctx: BuildContext, model: ir.Model):
+        matmul, act = m["matmul"], m["act"]
+        fused = ir.Node(kernels.DOMAIN, "SwiGLUMatMul", [act.inputs[0], matmul.inputs[1]],
+                        attributes=[matmul.attributes["n"]], name=f"{matmul.name}_activated")
+        old = matmul.outputs[0]
+        new = fused.outputs[0]
+        new.name, new.type, new.shape = f"{old.name}_fused", old.type, old.shape
+        model.graph.insert_before(act, fused)
+        if old.is_graph_output():
+            take_graph_output(model.graph, old, new)
+        ir.convenience.replace_all_uses_with(old, new)
+        model.graph.remove([matmul, act], safe=True)
+
+
 class _KernelPass(RulePass):
     """A rule pass whose rewrites target llmc's kernel library: it stands aside without it."""
 
@@ -354,6 +389,6 @@ class CPUKernels(_KernelPass):
 class PackedMatMuls(_KernelPass):
     name = "packed-matmul"
     description = ("run constant-weight MatMuls on llmc's panel-packed kernel (weights stored packed), "
-                   "a residual add + RMSNorm before one folded in")
-    rules = (PackedMatMul(), SkipRMSNormMatMul())
+                   "a residual add + RMSNorm or a SwiGLU before one folded in")
+    rules = (PackedMatMul(), SkipRMSNormMatMul(), SwiGLUMatMul())
     fixed_point = True  # the fold matches the PackedMatMuls the first sweep made
