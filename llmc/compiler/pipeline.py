@@ -149,6 +149,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         }
         (writer.path / "build_report.json").write_text(json.dumps(report, indent=2))
         (writer.path / "build_report.md").write_text(render_report_md(report, spec))
+        layout = kv_layout.of_model(model)
         writer.commit({
             "source": {"model": model_ref, "folder": str(folder),
                        "config_sha256": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()},
@@ -162,9 +163,9 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             "passes": [r.to_dict() for r in records],
             "quantization": None,
             "kv_cache": {
-                "layout": kv_layout.of_model(model),
-                "pool_shape": str(list(kv_layout.pool_shape(kv_layout.of_model(model), "num_blocks", "block_size",
-                                                            "num_kv_heads", "head_dim"))).replace("'", ""),
+                "layout": layout,
+                "pool_shape": "[" + ", ".join(map(str, kv_layout.pool_shape(
+                    layout, "num_blocks", "block_size", "num_kv_heads", "head_dim"))) + "]",
                 "dtype": "float32",
                 "block_size": options.block_size,
                 "num_layers": spec.num_layers,

@@ -86,6 +86,14 @@ def _packed_source(sources, ctx: BuildContext) -> ir.Value | None:
     return split.inputs[0] if sizes == want else None
 
 
+def _hand_over(graph: ir.Graph, old: ir.Value, new: ir.Value, suffix: str) -> None:
+    """`new` takes `old`'s place: its type and shape, its consumers and its graph-output slot."""
+    new.name, new.type, new.shape = f"{old.name}_{suffix}", old.type, old.shape
+    if old.is_graph_output():  # e.g. the LM head of an all-positions engine
+        take_graph_output(graph, old, new)
+    ir.convenience.replace_all_uses_with(old, new)
+
+
 class PagedAttentionKernel(RewriteRule):
     name = "paged_attention"
 
@@ -259,13 +267,8 @@ class PackedMatMul(RewriteRule):
         model.graph.register_initializer(packed)
         kernel = ir.Node(kernels.DOMAIN, "PackedMatMul", [matmul.inputs[0], packed],
                          attributes=[ir.AttrInt64("n", n)], name=f"{matmul.name}_packed")
-        out = kernel.outputs[0]
-        out.name, out.type, out.shape = f"{matmul.outputs[0].name}_packed", matmul.outputs[0].type, matmul.outputs[0].shape
         model.graph.insert_before(matmul, kernel)
-        old = matmul.outputs[0]
-        if old.is_graph_output():  # the LM head of an all-positions engine
-            take_graph_output(model.graph, old, out)
-        ir.convenience.replace_all_uses_with(old, out)
+        _hand_over(model.graph, matmul.outputs[0], kernel.outputs[0], "packed")
         original = matmul.inputs[1]
         model.graph.remove(matmul, safe=True)
         if not original.uses() and not original.is_graph_output():  # drop it now: build RSS stays flat
@@ -306,18 +309,10 @@ class SkipRMSNormMatMul(RewriteRule):
                         attributes=[matmul.attributes["n"],
                                     ir.AttrFloat32("epsilon", norm.attributes.get_float("epsilon", 1e-5))],
                         num_outputs=2, name=f"{matmul.name}_normed")
-        product, total = fused.outputs
-        olds = (matmul.outputs[0], norm.outputs[3] if len(norm.outputs) > 3 else None)
-        for new, old in zip((product, total), olds):
-            if old is not None:
-                new.name, new.type, new.shape = f"{old.name}_fused", old.type, old.shape
         model.graph.insert_before(norm, fused)
-        for new, old in zip((product, total), olds):
-            if old is None:
-                continue
-            if old.is_graph_output():
-                take_graph_output(model.graph, old, new)
-            ir.convenience.replace_all_uses_with(old, new)
+        _hand_over(model.graph, matmul.outputs[0], fused.outputs[0], "fused")
+        if len(norm.outputs) > 3:  # the residual sum
+            _hand_over(model.graph, norm.outputs[3], fused.outputs[1], "fused")
         model.graph.remove([matmul, norm], safe=True)
 
 
@@ -346,13 +341,8 @@ class SwiGLUMatMul(RewriteRule):
         matmul, act = m["matmul"], m["act"]
         fused = ir.Node(kernels.DOMAIN, "SwiGLUMatMul", [act.inputs[0], matmul.inputs[1]],
                         attributes=[matmul.attributes["n"]], name=f"{matmul.name}_activated")
-        old = matmul.outputs[0]
-        new = fused.outputs[0]
-        new.name, new.type, new.shape = f"{old.name}_fused", old.type, old.shape
         model.graph.insert_before(act, fused)
-        if old.is_graph_output():
-            take_graph_output(model.graph, old, new)
-        ir.convenience.replace_all_uses_with(old, new)
+        _hand_over(model.graph, matmul.outputs[0], fused.outputs[0], "fused")
         model.graph.remove([matmul, act], safe=True)
 
 
