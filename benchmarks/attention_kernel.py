@@ -1,12 +1,15 @@
 """llmc's CPU attention kernel on one layer's shape, with the pool cold as in a real step.
 
     python benchmarks/attention_kernel.py [--rows 16] [--context 400] [--query 1] [--threads 2]
+                                          [--layout scattered|sequential]
 
 smollm2-135m-shape's attention (9 query heads, 3 KV heads, head dim 64, block 16). A model step
 runs 30 layers, each over its own pool, with the weights streaming through the caches in between,
 so a layer's pool is never in cache when its turn comes. `attention_variants.py` times one pool
 over and over, which stays in L3 (10 MB at 16 rows x 400 tokens); this script cycles through 30
 pools, like the engine, and reports both. Output is checked against the numpy reference.
+`--layout sequential` gives each sequence consecutive blocks, as a fresh engine's pool does;
+`scattered` (the default) shuffles them, as a pool looks after requests have come and gone.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=400, help="tokens already cached per sequence")
     ap.add_argument("--query", type=int, default=1, help="new tokens per sequence (1 = decode)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layout", choices=("scattered", "sequential"), default="scattered",
+                    help="where each sequence's blocks lie in the pool")
     args = ap.parse_args()
 
     from llmc import kv_layout
@@ -55,7 +60,10 @@ def main() -> None:
     rows, past, seq = args.rows, args.context, args.query
     width = (past + seq) // BLOCK + 1
     num_blocks = rows * width + 1
-    tables = rng.permutation(np.arange(1, num_blocks))[:rows * width].reshape(rows, width).astype(np.int32)
+    order = np.arange(1, num_blocks)
+    if args.layout == "scattered":
+        order = rng.permutation(order)
+    tables = order[:rows * width].reshape(rows, width).astype(np.int32)
     qkv = rng.standard_normal((rows, seq, (HEADS + 2 * KV_HEADS) * HEAD_DIM), dtype=np.float32)
     meta = {"past": np.full(rows, past, np.int32), "qlen": np.full(rows, seq, np.int32), "tables": tables}
     token_major = [rng.standard_normal((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype=np.float32)
@@ -92,7 +100,8 @@ def main() -> None:
     out = [o for o in bindings[0].copy_outputs_to_cpu() if o.ndim == 3][0]
     err = np.abs(out - ref.transpose(0, 2, 1, 3).reshape(out.shape)).max()
     kv_bytes = rows * (past + seq) * 2 * KV_HEADS * HEAD_DIM * 4
-    print(f"rows {rows} · context {past} · query {seq} · {args.threads} threads · max |diff| vs reference {err:.1e}")
+    print(f"rows {rows} · context {past} · query {seq} · {args.layout} blocks · {args.threads} threads · "
+          f"max |diff| vs reference {err:.1e}")
     print(f"per layer: cold pools {cold * 1e3:.3f} ms ({kv_bytes / cold / 1e9:.1f} GB/s of KV) · "
           f"warm pool {warm * 1e3:.3f} ms")
 

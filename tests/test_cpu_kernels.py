@@ -72,6 +72,12 @@ CASES = {
                                   window=21),
     "decode-head-dim-6-block-16": dict(seq=1, past=(40, 17), qlen=(1, 1), heads=4, kv_heads=2, head_dim=6, block=16,
                                        rotary=0),
+    # With 8 or more (row, query tile) pairs a task reads every KV head of its row.
+    "decode-all-heads": dict(seq=1, past=(37, 5, 0, 16, 17, 100, 3, 60, 1), qlen=(1,) * 8 + (0,), heads=9, kv_heads=3,
+                             head_dim=64, block=16),
+    "decode-all-heads-window-block-8": dict(seq=1, past=(90, 40, 7, 0, 33, 8, 15, 64), qlen=(1,) * 8, heads=6,
+                                            kv_heads=2, head_dim=32, block=8, window=21),
+    "prefill-all-heads": dict(seq=40, past=(0, 20, 5), qlen=(40, 33, 12), heads=6, kv_heads=2, head_dim=16, block=16),
 }
 
 

@@ -17,4 +17,13 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 #define VLOAD(p) (*(const v16u *)(p))
 #define VSTORE(p, v) (*(v16u *)(p) = (v))
 
+/* Fetch the cache line at p towards L1, inside register-blocked loops. GCC's __builtin_prefetch
+ * counts as a memory access there and demotes the loop's accumulator arrays to the stack (a
+ * store per FMA); the asm form names only the address, so they stay in registers. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PREFETCH(p) __asm__("prefetcht0 (%0)" : : "r"(p))
+#else
+#define PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#endif
+
 #endif
