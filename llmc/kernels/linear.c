@@ -8,6 +8,13 @@
 #include <math.h>
 #include <string.h>
 
+/* How far ahead of its loads the tile prefetches the weights, in floats: 16 KB. The hardware
+ * prefetchers stop at each 4 KB page, and the out-of-order window covers a few hundred bytes,
+ * far less than DRAM latency; without it the FMAs and the weight stream took turns. On a chain
+ * of smollm2's 121 projections (a C harness), 16 rows went from 15.6-21 ms to 12.1-13.8 (about
+ * the time the weights take to read), 8 rows and 1 row gained 5-10% and 2-5%. */
+#define PREFETCH_AHEAD 4096
+
 /* Rows [0, R) of x times one panel into out (row stride out_stride). */
 static inline __attribute__((always_inline)) void tile(const float *restrict x, const float *restrict panel,
                                                        float *restrict out, int64_t k, int64_t out_stride,
@@ -17,6 +24,8 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
         a[r][0] = a[r][1] = (v16){0};
     for (int64_t i = 0; i < k; i++) {
         v16 w0 = VLOAD(panel + i * LLMC_PANEL), w1 = VLOAD(panel + i * LLMC_PANEL + 16);
+        PREFETCH(panel + i * LLMC_PANEL + PREFETCH_AHEAD);  /* may run past the weight: prefetches never fault */
+        PREFETCH(panel + i * LLMC_PANEL + PREFETCH_AHEAD + 16);
         for (int r = 0; r < R; r++) {
             float xv = x[r * k + i];
             a[r][0] += xv * w0;
