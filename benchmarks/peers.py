@@ -1,7 +1,8 @@
 """Peer comparison: llmc against llama.cpp and ONNX Runtime GenAI on the same model, in one run.
 
     python benchmarks/peers.py --setup                  # peers' venv + conversions, then exit
-    python benchmarks/peers.py [--reps 5] [--no-fusions] [--ablate] [--llmc NAME=ENGINE_DIR ...] [--json OUT]
+    python benchmarks/peers.py [--reps 5] [--lossless] [--no-fusions] [--ablate] [--llmc NAME=ENGINE_DIR ...]
+                               [--json OUT]
 
 Peers. llama.cpp through llama-cpp-python, built here from its source distribution for this CPU,
 and onnxruntime-genai. Both live in their own virtual environment outside the repo (default
@@ -255,6 +256,12 @@ def build_variants(args, work: Path) -> tuple[list[tuple[str, Path]], dict[str, 
         err = build_engine(args.model, engines[-1][1], [])
         if err:
             raise SystemExit(f"error: llmc build {args.model} failed: {err}")
+    if args.lossless:
+        name, out = "llmc --lossless-weights", work / "engine-lossless"
+        engines.append((name, out))
+        err = build_engine(args.model, out, ["--lossless-weights"])
+        if err:
+            failed[name] = f"build failed: {err}"
     optional = optional_passes()
     if args.no_fusions:
         out = work / "engine-no-fusions"
@@ -622,6 +629,8 @@ def main() -> None:
     ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
     ap.add_argument("--llmc", action="append", default=[], metavar="NAME=ENGINE_DIR",
                     help="an llmc engine to measure (repeatable); default: build one from --model")
+    ap.add_argument("--lossless", action="store_true",
+                    help="also build and measure an engine with --lossless-weights")
     ap.add_argument("--no-fusions", action="store_true",
                     help="also build and measure an engine with every optional pass disabled")
     ap.add_argument("--ablate", action="store_true",

@@ -53,8 +53,11 @@ def main():
               help="Write the graph after each pass into this folder.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine at the output path.")
 @click.option("--explain", is_flag=True, help="List every rule that matched a candidate but did not fire, and why.")
+@click.option("--lossless-weights", is_flag=True,
+              help="Also store the weights in a lossless format 12.5% smaller that batch-1 to 8 decode reads "
+                   "(same outputs, faster tokens; the engine holds both copies).")
 def build(model, output, dtype, block_size, max_context, disable_passes, list_passes, verify, all_logits,
-          dump_ir, overwrite, explain):
+          dump_ir, overwrite, explain, lossless_weights):
     """Compile MODEL (a recipe name, a local HF folder or a hub id) into an engine."""
     if list_passes:
         from llmc.passes import ALL_PASSES, REQUIRED_PASSES, make_passes
@@ -71,7 +74,8 @@ def build(model, output, dtype, block_size, max_context, disable_passes, list_pa
     output = output or Path("engines") / Path(model).name
     options = BuildOptions(block_size=block_size, max_context=max_context,
                            disable_passes=tuple(disable_passes), verify=verify, dump_ir=dump_ir,
-                           overwrite=overwrite, last_token_logits=not all_logits)
+                           overwrite=overwrite, last_token_logits=not all_logits,
+                           lossless_weights=lossless_weights)
     console = Console(stderr=True, highlight=False)
     with console.status(f"building {model}") as status:
         def progress(stage: str, message: str, finished: bool) -> None:

@@ -21,7 +21,7 @@ F32, I32 = TensorProto.FLOAT, TensorProto.INT32
 
 
 def _session(op_type: str, inputs: list[str], outputs: list[str], **attrs) -> ort.InferenceSession:
-    types = {"past": I32, "qlen": I32, "tables": I32}  # everything else is float32
+    types = {"past": I32, "qlen": I32, "tables": I32, "lossless": TensorProto.UINT8}  # the rest: float32
     node = helper.make_node(op_type, inputs, outputs, domain=kernels.DOMAIN, **attrs)
     graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info(n, types.get(n, F32), None)
                                                  for n in inputs if n],
@@ -187,6 +187,71 @@ def test_paged_attention_kernel_rejects_bad_metadata_with_a_message():
     feeds["q"], feeds["cache"] = np.zeros((1, 1, 16), np.float32), np.zeros((2, 3, 1, 0, 4), np.float32)
     with pytest.raises(Exception, match="kv_cache has an empty dimension"):  # not a division by zero
         sess.run(None, feeds)
+
+
+def _spread_weight(rng, k: int, n: int) -> np.ndarray:
+    """Weights over many magnitudes, plus values whose top byte no panel's table holds: the
+    exceptions path, and bits a float can have (signed zero, inf, subnormal, the largest)."""
+    w = (rng.standard_normal((k, n)) * np.exp2(rng.integers(-12, 4, (k, n)))).astype(np.float32)
+    w[0, 0], w[1, min(1, n - 1)], w[2, 0], w[3, n - 1] = -0.0, np.inf, 1e-40, np.finfo(np.float32).max
+    return w
+
+
+def test_the_lossless_format_round_trips_every_bit():
+    from llmc.kernels import lossless
+    from llmc.passes.cpu_kernels import pack_weight
+
+    packed = pack_weight(_spread_weight(np.random.default_rng(0), 96, 70))
+    blob = lossless.encode(packed)
+    assert np.array_equal(lossless.decode(blob, 96, 70).view(np.uint32), packed.view(np.uint32))
+    panels = packed.shape[0]
+    offsets = blob[panels * (64 + 96 * 112):][:4 * (panels + 1)].copy().view(np.int32)
+    exceptions = int(offsets[-1])
+    assert exceptions > 0  # the spread weight exercises the exception list
+    assert blob.nbytes == panels * (64 + 96 * 112) + 4 * (panels + 1) + 8 * exceptions
+    # A smollm2-like layer (normal, std 0.02): 28 bits a weight, almost no exceptions.
+    normal = pack_weight((np.random.default_rng(1).standard_normal((576, 576)) * 0.02).astype(np.float32))
+    assert lossless.encode(normal).nbytes / normal.nbytes < 0.877
+    assert "multiple of 4" in lossless.supports(pack_weight(np.ones((6, 32), np.float32)))
+
+
+LOSSLESS_OPS = {  # op -> (its inputs before the lossless one, the width of its `x` per K)
+    "PackedMatMul": (["x", "w"], 1),
+    "SkipRMSNormMatMul": (["x", "skip", "gamma", "w"], 1),
+    "SwiGLUMatMul": (["x", "w"], 2),
+}
+
+
+@pytest.mark.parametrize("op", LOSSLESS_OPS)
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 13])
+def test_lossless_weights_give_the_fp32_bits(op, rows):
+    """Up to 8 rows the ops read the lossless copy (a corrupted copy changes the output, so the
+    path is exercised), and the output equals the fp32 weight's to the bit; above, the fp32 one."""
+    from llmc.kernels import lossless
+    from llmc.passes.cpu_kernels import pack_weight
+
+    if "avx512f" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX-512 on this CPU: the ops read the fp32 weight and never the lossless copy")
+    rng = np.random.default_rng(rows)
+    k, n = 96, 70
+    names, width = LOSSLESS_OPS[op]
+    packed = pack_weight(_spread_weight(rng, k, n))
+    feeds = {"x": rng.standard_normal((1, rows, width * k), dtype=np.float32), "w": packed,
+             "skip": rng.standard_normal((1, rows, k), dtype=np.float32),
+             "gamma": rng.standard_normal(k, dtype=np.float32)}
+    outputs = ["y", "sum"] if op == "SkipRMSNormMatMul" else ["y"]
+    attrs = {"n": n, **({"epsilon": 1e-5} if op == "SkipRMSNormMatMul" else {})}
+    fp32 = _session(op, names, outputs, **attrs).run(None, {i: feeds[i] for i in names})[0]
+    with_copy = _session(op, [*names, "lossless"], outputs, **attrs)
+    blob = lossless.encode(packed)
+    y = with_copy.run(None, {**{i: feeds[i] for i in names}, "lossless": blob})[0]
+    assert np.array_equal(y.view(np.uint32), fp32.view(np.uint32))
+    corrupt = blob.copy()
+    corrupt[:64] = 0  # the first panel's code table
+    y = with_copy.run(None, {**{i: feeds[i] for i in names}, "lossless": corrupt})[0]
+    assert np.array_equal(y, fp32) == (rows > 8)
+    with pytest.raises(Exception, match="lossless weight.*rebuild the engine"):
+        with_copy.run(None, {**{i: feeds[i] for i in names}, "lossless": blob[:-8]})
 
 
 @pytest.mark.parametrize("rows", [1, 37])

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import BLOCK_SIZE, needs_kernels
+from conftest import BLOCK_SIZE, MAX_CONTEXT, needs_kernels
 from llmc import kernels, kv_layout
 from llmc.passes import BuildContext
 from llmc.passes.layout import ReshapeChain, TransposePair
@@ -98,6 +98,37 @@ def test_fusions_fire_and_the_engine_still_matches_hf(recipe, with_kernels, engi
     logits = llm.engine.forward(np.array([prompt]), np.arange(len(prompt))[None], np.zeros(1, np.int32),
                                 np.array([len(prompt)], np.int32), tables)
     np.testing.assert_allclose(logits[0], ref_logits, atol=1e-4, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("recipe", ["tiny-llama", "tiny-qwen2"])
+def test_lossless_weights_change_no_output(recipe, tmp_path, engines, hf_models):
+    """`--lossless-weights` adds a lossless copy to every packed GEMM; the engine's tokens and
+    logits are the fp32 engine's (the copy decodes to the same bits) and still match HF."""
+    from llmc.cli import main
+
+    out = tmp_path / "lossless"
+    result = CliRunner().invoke(main, ["build", recipe, "-o", str(out), "--block-size", str(BLOCK_SIZE),
+                                       "--max-context", str(MAX_CONTEXT), "--verify", "--lossless-weights"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    layers = manifest["model_spec"]["num_layers"]
+    record = {p["name"]: p for p in manifest["passes"]}["lossless-weights"]
+    assert record["counts"] == {"lossless_weight": 4 * layers + 1} and record["max_abs_diff"] == 0.0
+    assert manifest["build_options"]["lossless_weights"] is True
+    gemms = [n for n in ir.load(out / "model.onnx").graph if n.domain == kernels.DOMAIN and "MatMul" in n.op_type]
+    assert len(gemms) == 4 * layers + 1 and all(n.inputs[-1].name.endswith(".lossless") for n in gemms)
+    plain = json.loads((engines(recipe) / "manifest.json").read_text())
+    assert {p["name"]: p for p in plain["passes"]}["lossless-weights"]["counts"] == {}  # off by default
+
+    prompts = [np.random.default_rng(i).integers(3, 1000, n).tolist() for i, n in enumerate((19, 5, 40))]
+    params = SamplingParams(max_tokens=24)
+    got = [o.token_ids for o in LLM(out).generate(prompts, params)]  # decode steps of 1-3 rows
+    assert got == [o.token_ids for o in LLM(engines(recipe)).generate(prompts, params)]
+    hf, _ = hf_models(recipe)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False)[0, 19:].tolist()
+    assert got[0] == ref
 
 
 def test_fusions_off_same_outputs_and_misses_are_listed(tmp_path, llama_engine):

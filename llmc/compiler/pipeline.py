@@ -38,6 +38,7 @@ class BuildOptions:
     dump_ir: Path | None = None
     overwrite: bool = False
     last_token_logits: bool = True
+    lossless_weights: bool = False
 
     def validate(self) -> None:
         from llmc.passes import ALL_PASSES, REQUIRED_PASSES
@@ -119,7 +120,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         t = time.perf_counter()
         names = [n for n in ALL_PASSES if n not in options.disable_passes]
         ctx = BuildContext(spec, block_size=options.block_size, max_context=max_context,
-                           last_token_logits=options.last_token_logits)
+                           last_token_logits=options.last_token_logits, lossless_weights=options.lossless_weights)
         manager = PassManager(
             make_passes(names),
             verifier=verifier if options.verify else None,
@@ -159,7 +160,8 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             "build_options": {"block_size": options.block_size, "max_context": max_context,
                               "disabled_passes": list(options.disable_passes),
                               "verified": options.verify,
-                              "last_token_logits": options.last_token_logits},
+                              "last_token_logits": options.last_token_logits,
+                              "lossless_weights": options.lossless_weights},
             "passes": [r.to_dict() for r in records],
             "quantization": None,
             "kv_cache": {

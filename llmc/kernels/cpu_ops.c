@@ -235,6 +235,7 @@ typedef struct {
 
 typedef struct {
     const float *x, *w;
+    const uint8_t *lossless; /* the weight's lossless copy, when the op has one and m is small */
     float *y;
     int64_t m, k, n;
 } linear_job;
@@ -251,7 +252,33 @@ static OrtStatus *check_packed(const char *op, const linear_kernel *kernel, cons
 
 static void linear_one(void *arg, size_t panel) {
     const linear_job *job = arg;
-    llmc_linear_panels(job->x, job->w, job->y, job->m, job->k, job->n, (int64_t)panel, (int64_t)panel + 1);
+    if (job->lossless != NULL)
+        llmc_linear_lossless(job->x, job->lossless, job->y, job->m, job->k, job->n, (int64_t)panel,
+                             (int64_t)panel + 1);
+    else
+        llmc_linear_panels(job->x, job->w, job->y, job->m, job->k, job->n, (int64_t)panel, (int64_t)panel + 1);
+}
+
+/* The optional last input: the weight in the lossless format (kernels.h), checked against the
+ * fp32 weight's shape. The job reads it when it has few rows, where the weight stream bounds the
+ * time; with more, the FMAs do, and the fp32 weight needs no decoding. */
+static OrtStatus *lossless_input(OrtKernelContext *ctx, const char *op, size_t index, linear_job *job) {
+    tensor t;
+    TRY(input(ctx, index, &t));
+    if (t.value == NULL)
+        return NULL;
+    const uint8_t *blob;
+    TRY(data(t.value, (void **)&blob));
+    int64_t head = llmc_lossless_bytes(job->k, job->n, 0);
+    if (t.type != ORT_UINT8 || t.rank != 1 || job->k % 4 != 0 || t.dims[0] < head)
+        return error(op, "the lossless weight does not match the fp32 weight's shape; rebuild the engine");
+    int32_t exceptions;
+    memcpy(&exceptions, blob + head - 4, sizeof exceptions);  /* the last of the exception offsets */
+    if (exceptions < 0 || t.dims[0] != llmc_lossless_bytes(job->k, job->n, exceptions))
+        return error(op, "the lossless weight's size disagrees with its exception count; rebuild the engine");
+    if (job->m <= LLMC_LOSSLESS_MAX_ROWS && llmc_lossless_supported())
+        job->lossless = blob;
+    return NULL;
 }
 
 static OrtStatus *linear_compute(void *state, OrtKernelContext *ctx) {
@@ -266,6 +293,7 @@ static OrtStatus *linear_compute(void *state, OrtKernelContext *ctx) {
     TRY(data(x.value, (void **)&job.x));
     TRY(data(w.value, (void **)&job.w));
     TRY(output(ctx, 0, dims, x.rank, (void **)&job.y));
+    TRY(lossless_input(ctx, op, 2, &job));
     if (job.m == 0)
         return NULL;
     return parallel(ctx, linear_one, (size_t)w.dims[0], &job);
@@ -295,6 +323,7 @@ static OrtStatus *norm_linear_compute(void *state, OrtKernelContext *ctx) {
     TRY(data(w.value, (void **)&job.w));
     TRY(output(ctx, 0, dims, x.rank, (void **)&job.y));
     TRY(output(ctx, 1, x.dims, x.rank, (void **)&sum));
+    TRY(lossless_input(ctx, op, 4, &job));
     if (job.m == 0)
         return NULL;
     float *normed = malloc((size_t)(job.m * job.k) * sizeof(float));
@@ -327,6 +356,7 @@ static OrtStatus *swiglu_linear_compute(void *state, OrtKernelContext *ctx) {
     TRY(data(x.value, (void **)&x_data));
     TRY(data(w.value, (void **)&job.w));
     TRY(output(ctx, 0, dims, x.rank, (void **)&job.y));
+    TRY(lossless_input(ctx, op, 2, &job));
     if (job.m == 0)
         return NULL;
     float *h = malloc((size_t)(job.m * job.k) * sizeof(float));
@@ -431,7 +461,15 @@ typedef struct {
     OrtCustomOp op;
     const char *name;
     size_t inputs, outputs;
+    size_t lossless; /* a GEMM op's optional last input, the weight's lossless copy */
 } op_description;
+
+static int32_t linear_input_type(const OrtCustomOp *op, size_t i) {
+    return i == ((const op_description *)op)->lossless ? ORT_UINT8 : ORT_FLOAT;
+}
+static int32_t linear_input_kind(const OrtCustomOp *op, size_t i) {
+    return i == ((const op_description *)op)->lossless ? ORT_OPTIONAL : ORT_REQUIRED;
+}
 
 static const char *op_name(const OrtCustomOp *op) { return ((const op_description *)op)->name; }
 static size_t op_inputs(const OrtCustomOp *op) { return ((const op_description *)op)->inputs; }
@@ -481,11 +519,14 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
         define(&attention_op, "PagedAttention", attention_create, attention_compute, NUM_IN, 2,
                attention_input_type, attention_input_kind);
         define(&swiglu_op, "SwiGLU", swiglu_create, swiglu_compute, 1, 1, float_type, required);
-        define(&linear_op, "PackedMatMul", linear_create, linear_compute, 2, 1, float_type, required);
-        define(&norm_linear_op, "SkipRMSNormMatMul", linear_create, norm_linear_compute, 4, 2, float_type,
-               required);
-        define(&swiglu_linear_op, "SwiGLUMatMul", linear_create, swiglu_linear_compute, 2, 1, float_type,
-               required);
+        define(&linear_op, "PackedMatMul", linear_create, linear_compute, 3, 1, linear_input_type,
+               linear_input_kind);
+        define(&norm_linear_op, "SkipRMSNormMatMul", linear_create, norm_linear_compute, 5, 2, linear_input_type,
+               linear_input_kind);
+        define(&swiglu_linear_op, "SwiGLUMatMul", linear_create, swiglu_linear_compute, 3, 1, linear_input_type,
+               linear_input_kind);
+        linear_op.lossless = swiglu_linear_op.lossless = 2;
+        norm_linear_op.lossless = 4;
     }
 
     OrtCustomOpDomain *domain;

@@ -53,6 +53,26 @@ void llmc_swiglu_rows(const float *x, float *out, int64_t width, int64_t row0, i
 void llmc_linear_panels(const float *x, const float *w_packed, float *y, int64_t m, int64_t k, int64_t n,
                         int64_t p0, int64_t p1);
 
+/* The same product over a lossless copy of the packed weight, 12.5% fewer bytes to stream: each
+ * float's top byte (sign and 7 exponent bits) takes only a few values in a panel, so it is stored
+ * as a 4-bit code into the panel's 16-entry table, and the low 24 bits as they are. Decoding gives
+ * back every float bit for bit, and the FMAs run in the same order as llmc_linear_panels, so the
+ * outputs are identical. Layout (llmc/kernels/lossless.py writes it), K a multiple of 4:
+ *   panels: ceil(N / 32) x [table: 16 uint32, each a top byte << 24 | K / 4 groups of 4 k steps:
+ *           low 16 bits [4][32] uint16, bits 16-23 [4][32] uint8, codes [4][16] uint8 (column c's
+ *           code in the low nibble of byte c, column 16 + c's in its high nibble)]
+ *   then int32 offsets[panels + 1] into the exceptions, and the exceptions: pairs of int32
+ *   (k * 32 + column, the float's bits) for top bytes outside the table, sorted per panel.
+ * Decoding costs ALU work the fp32 kernel does not do: it wins where the weight stream is the
+ * bottleneck (few rows) and loses where the FMAs are (16 rows), so the ops use it up to
+ * LLMC_LOSSLESS_MAX_ROWS rows and read the fp32 weight above. The kernel is AVX-512 only:
+ * elsewhere llmc_lossless_supported() is 0 and the ops read the fp32 weight. */
+#define LLMC_LOSSLESS_MAX_ROWS 8
+int llmc_lossless_supported(void);
+int64_t llmc_lossless_bytes(int64_t k, int64_t n, int64_t exceptions);
+void llmc_linear_lossless(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t p0,
+                          int64_t p1);
+
 /* For rows [row0, row1) of x and skip ([rows, k]): sum = x + skip, and
  * normed = sum / sqrt(mean(sum^2) + epsilon) * gamma (ORT's SkipSimplifiedLayerNormalization). */
 void llmc_skip_rmsnorm_rows(const float *x, const float *skip, const float *gamma, float *sum, float *normed,

@@ -83,3 +83,108 @@ void llmc_skip_rmsnorm_rows(const float *x, const float *skip, const float *gamm
             out[i] = dst[i] * inv * gamma[i];
     }
 }
+
+/* -- the lossless weight format (kernels.h) --------------------------------------------------- */
+
+#define PANEL_HEADER 64                      /* the code table: 16 uint32 */
+#define GROUP_BYTES (4 * LLMC_PANEL * 3 + 64) /* 4 k steps: 16-bit, 8-bit and code planes: 448 */
+
+static int64_t lossless_panel_bytes(int64_t k) { return PANEL_HEADER + k / 4 * GROUP_BYTES; }
+
+int64_t llmc_lossless_bytes(int64_t k, int64_t n, int64_t exceptions) {
+    int64_t panels = (n + LLMC_PANEL - 1) / LLMC_PANEL;
+    return panels * lossless_panel_bytes(k) + 4 * (panels + 1) + 8 * exceptions;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+/* GCC 12 turns the byte-to-lane widenings below into scalar code when written with the vector
+ * extension, so this kernel is AVX-512 intrinsics, used only where the CPU has AVX-512. */
+int llmc_lossless_supported(void) { return __builtin_cpu_supports("avx512f"); }
+
+/* tile() over a lossless panel: rows [0, R) of x; exc..exc_end are the panel's exceptions. */
+static inline __attribute__((always_inline, target("avx512f"))) void lossless_tile(
+    const float *restrict x, const uint8_t *restrict panel, const int32_t *exc, const int32_t *exc_end,
+    float *restrict out, int64_t k, int64_t out_stride, const int R) {
+    __m512 a[R][2];
+    for (int r = 0; r < R; r++)
+        a[r][0] = a[r][1] = _mm512_setzero_ps();
+    const __m512i table = _mm512_loadu_si512(panel);
+    const uint8_t *group = panel + PANEL_HEADER;
+    int64_t next = exc < exc_end ? exc[0] / LLMC_PANEL : -1; /* the k step of the next exception */
+    for (int64_t g = 0; g < k / 4; g++, group += GROUP_BYTES) {
+        for (int line = 0; line < GROUP_BYTES; line += 64)
+            PREFETCH(group + 4 * PREFETCH_AHEAD + line); /* the fp32 kernel's distance, in bytes */
+        for (int s = 0; s < 4; s++) {
+            const uint8_t *low = group + s * 64, *mid = group + 256 + s * 32, *codes = group + 384 + s * 16;
+            /* lanes: low 16 bits | bits 16-23 << 16 | the code's table entry (vpermd reads the low
+             * 4 bits of each lane, so the second half's codes need only the shift) */
+            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+            __m512i w0 = _mm512_ternarylogic_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)low)),
+                _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)mid)), 16),
+                _mm512_permutexvar_epi32(c, table), 0xFE);
+            __m512i w1 = _mm512_ternarylogic_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(low + 32))),
+                _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mid + 16))), 16),
+                _mm512_permutexvar_epi32(_mm512_srli_epi32(c, 4), table), 0xFE);
+            __m512 v0 = _mm512_castsi512_ps(w0), v1 = _mm512_castsi512_ps(w1);
+            int64_t i = g * 4 + s;
+            if (__builtin_expect(i == next, 0)) {
+                float w[LLMC_PANEL];
+                _mm512_storeu_ps(w, v0);
+                _mm512_storeu_ps(w + 16, v1);
+                for (; exc < exc_end && exc[0] / LLMC_PANEL == i; exc += 2)
+                    memcpy(&w[exc[0] % LLMC_PANEL], &exc[1], sizeof(float));
+                next = exc < exc_end ? exc[0] / LLMC_PANEL : -1;
+                v0 = _mm512_loadu_ps(w);
+                v1 = _mm512_loadu_ps(w + 16);
+            }
+            for (int r = 0; r < R; r++) {
+                __m512 xv = _mm512_set1_ps(x[r * k + i]);
+                a[r][0] = _mm512_fmadd_ps(xv, v0, a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(xv, v1, a[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(out + r * out_stride, a[r][0]);
+        _mm512_storeu_ps(out + r * out_stride + 16, a[r][1]);
+    }
+}
+
+__attribute__((target("avx512f")))
+void llmc_linear_lossless(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t p0,
+                          int64_t p1) {
+    float tail[8 * LLMC_PANEL];
+    int64_t panels = (n + LLMC_PANEL - 1) / LLMC_PANEL, panel_bytes = lossless_panel_bytes(k);
+    const int32_t *offsets = (const int32_t *)(w + panels * panel_bytes), *exceptions = offsets + panels + 1;
+    for (int64_t p = p0; p < p1; p++) {
+        const uint8_t *panel = w + p * panel_bytes;
+        const int32_t *exc = exceptions + 2 * (int64_t)offsets[p], *exc_end = exceptions + 2 * (int64_t)offsets[p + 1];
+        int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;
+        for (int64_t r = 0; r < m;) {
+            int64_t rows = m - r >= 8 ? 8 : (m - r >= 4 ? 4 : 1);
+            float *out = width == LLMC_PANEL ? y + r * n + col : tail;
+            int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;
+            if (rows == 8)
+                lossless_tile(x + r * k, panel, exc, exc_end, out, k, stride, 8);
+            else if (rows == 4)
+                lossless_tile(x + r * k, panel, exc, exc_end, out, k, stride, 4);
+            else
+                lossless_tile(x + r * k, panel, exc, exc_end, out, k, stride, 1);
+            if (width != LLMC_PANEL)
+                for (int64_t i = 0; i < rows; i++)
+                    memcpy(y + (r + i) * n + col, tail + i * LLMC_PANEL, (size_t)width * sizeof(float));
+            r += rows;
+        }
+    }
+}
+#else
+int llmc_lossless_supported(void) { return 0; }
+void llmc_linear_lossless(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t p0,
+                          int64_t p1) {
+    (void)x, (void)w, (void)y, (void)m, (void)k, (void)n, (void)p0, (void)p1;
+}
+#endif

@@ -32,7 +32,7 @@ typedef struct OrtApiBase {
 } OrtApiBase;
 
 /* Enum values used (ONNXTensorElementDataType, OrtErrorCode, OrtCustomOpInputOutputCharacteristic). */
-enum { ORT_FLOAT = 1, ORT_INT32 = 6 };
+enum { ORT_FLOAT = 1, ORT_UINT8 = 2, ORT_INT32 = 6 };
 enum { ORT_INVALID_ARGUMENT = 2 };
 enum { ORT_REQUIRED = 0, ORT_OPTIONAL = 1 };
 

@@ -10,7 +10,7 @@ __all__ = ["BuildContext", "Pass", "PassManager", "PassRecord", "PassResult", "R
 
 def _registry() -> dict[str, type[Pass]]:
     from llmc.passes.cleanup import Cleanup
-    from llmc.passes.cpu_kernels import CPUKernels, PackedMatMuls
+    from llmc.passes.cpu_kernels import CPUKernels, LosslessWeights, PackedMatMuls
     from llmc.passes.last_token import LastTokenLogits
     from llmc.passes.layout import SimplifyLayout
     from llmc.passes.merge_matmuls import MergeMatMuls
@@ -20,15 +20,16 @@ def _registry() -> dict[str, type[Pass]]:
     from llmc.passes.paged_kv import PagedKVCache
 
     return {p.name: p for p in (Cleanup, NativeGQA, MergeMatMuls, PagedKVCache, LastTokenLogits,
-                                ORTFusions, CPUKernels, LowerPagedAttentionORT, SimplifyLayout, PackedMatMuls)}
+                                ORTFusions, CPUKernels, LowerPagedAttentionORT, SimplifyLayout, PackedMatMuls,
+                                LosslessWeights)}
 
 
 # In pipeline order, in phases: canonicalize, fuse, rewrite the KV-cache I/O, fuse into the
 # backend's kernels (ORT's, then llmc's own), lower what is left to standard ops, tidy the layout,
-# then pack the settled weights for llmc's GEMM.
+# then pack the settled weights for llmc's GEMM (and, when asked, add their lossless copies).
 # The runtime contract needs the paged rewrite and a backend lowering.
 ALL_PASSES = ("cleanup", "native-gqa", "merge-matmuls", "paged-kv-cache", "last-token-logits", "ort-fusions",
-              "cpu-kernels", "ort-lower", "simplify-layout", "packed-matmul")
+              "cpu-kernels", "ort-lower", "simplify-layout", "packed-matmul", "lossless-weights")
 REQUIRED_PASSES = ("paged-kv-cache", "ort-lower")
 
 

@@ -28,6 +28,7 @@ class BuildContext:
     block_size: int = 16
     max_context: int = 2048
     last_token_logits: bool = True
+    lossless_weights: bool = False  # also store the packed weights in the lossless format
 
 
 @dataclass

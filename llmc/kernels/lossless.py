@@ -1,0 +1,81 @@
+"""The lossless weight format of llmc's GEMM kernel (layout in kernels.h, `llmc_linear_lossless`).
+
+A float32's top byte (sign and the 7 high exponent bits) takes few values in a weight matrix: the
+16 commonest of a 32-column panel cover all but ~0.01-0.03% of its weights in trained and in
+randomly initialised models alike. Each weight is stored as a 4-bit code into the panel's table
+plus its low 24 bits, 28 bits in place of 32; the rare weights whose top byte misses the table are
+listed as exceptions with their bits. Decoding is exact, so a product over this format equals the
+fp32 one bit for bit, while a decode step streams 12.5% fewer bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmc.kernels import PANEL
+
+TABLE = 16
+GROUP = 4  # k steps per group: a group's planes fill whole 64-byte lines
+
+
+def supports(packed: np.ndarray) -> str | None:
+    """None if `packed` ([panels, K, 32] float32) can be encoded, else why not."""
+    if packed.dtype != np.float32 or packed.ndim != 3 or packed.shape[2] != PANEL:
+        return f"the weight is {packed.dtype} {list(packed.shape)}, not a packed float32 [panels, K, {PANEL}]"
+    if packed.shape[1] % GROUP:
+        return f"K = {packed.shape[1]} is not a multiple of {GROUP}"
+    return None
+
+
+def encode(packed: np.ndarray) -> np.ndarray:
+    """[panels, K, 32] float32 -> the format's bytes (uint8, 1-D)."""
+    if (why := supports(packed)) is not None:
+        raise ValueError(why)
+    panels, k, _ = packed.shape
+    bits = np.ascontiguousarray(packed).view(np.uint32)
+    top = (bits >> 24).astype(np.uint8)
+    counts = np.stack([np.bincount(top[p].ravel(), minlength=256) for p in range(panels)])
+    table = np.argsort(-counts, axis=1, kind="stable")[:, :TABLE].astype(np.uint32)  # commonest first
+    code_of = np.full((panels, 256), TABLE, np.uint8)
+    np.put_along_axis(code_of, table.astype(np.int64), np.arange(TABLE, dtype=np.uint8)[None, :], axis=1)
+    codes = np.take_along_axis(code_of, top.reshape(panels, -1).astype(np.int64), axis=1).reshape(top.shape)
+    missed = codes == TABLE
+    codes[missed] = 0  # decoded wrong, then patched from the exception list
+
+    groups = k // GROUP
+    low = (bits & 0xFFFF).astype(np.uint16).reshape(panels, groups, GROUP * PANEL).view(np.uint8)
+    mid = ((bits >> 16) & 0xFF).astype(np.uint8).reshape(panels, groups, GROUP * PANEL)
+    pairs = (codes[..., :16] | codes[..., 16:] << 4).reshape(panels, groups, GROUP * 16)
+    body = np.concatenate([low, mid, pairs], axis=2).reshape(panels, -1)
+    header = (table << 24).view(np.uint8)
+    where = np.nonzero(missed)  # C order: by panel, then k, then column
+    offsets = np.zeros(panels + 1, np.int32)
+    offsets[1:] = np.cumsum(np.bincount(where[0], minlength=panels))
+    exceptions = np.stack([(where[1] * PANEL + where[2]).astype(np.int32),
+                           bits[missed].view(np.int32)], axis=1)
+    return np.concatenate([np.concatenate([header, body], axis=1).ravel(), offsets.view(np.uint8),
+                           exceptions.ravel().view(np.uint8)])
+
+
+def decode(blob: np.ndarray, k: int, n: int) -> np.ndarray:
+    """The format's bytes -> [panels, K, 32] float32: the reference the kernel is tested against."""
+    panels, groups = -(-n // PANEL), k // GROUP
+    panel_bytes = TABLE * 4 + groups * GROUP * PANEL * 3 + groups * GROUP * 16
+    body = blob[:panels * panel_bytes].reshape(panels, panel_bytes)
+    table = body[:, :TABLE * 4].copy().view(np.uint32)
+    planes = body[:, TABLE * 4:].reshape(panels, groups, -1)
+    low = planes[..., :GROUP * PANEL * 2].copy().view(np.uint16).astype(np.uint32)
+    mid = planes[..., GROUP * PANEL * 2:GROUP * PANEL * 3].astype(np.uint32)
+    pairs = planes[..., GROUP * PANEL * 3:].reshape(panels, groups, GROUP, 16)
+    codes = np.concatenate([pairs & 15, pairs >> 4], axis=3).reshape(panels, groups, GROUP * PANEL)
+    high = np.take_along_axis(table, codes.reshape(panels, -1).astype(np.int64), axis=1).reshape(codes.shape)
+    bits = (low | mid << 16 | high).reshape(panels, k, PANEL)
+    tail = blob[panels * panel_bytes:]
+    offsets = tail[:4 * (panels + 1)].copy().view(np.int32)
+    exceptions = tail[4 * (panels + 1):].copy().view(np.int32).reshape(-1, 2)
+    if len(exceptions) != offsets[-1]:
+        raise ValueError(f"the blob lists {len(exceptions)} exceptions, its offsets {offsets[-1]}")
+    for p in range(panels):
+        for pos, value in exceptions[offsets[p]:offsets[p + 1]]:
+            bits[p, pos // PANEL, pos % PANEL] = np.int32(value).view(np.uint32)
+    return bits.view(np.float32)
