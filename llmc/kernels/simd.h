@@ -22,8 +22,12 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
  * store per FMA); the asm form names only the address, so they stay in registers. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define PREFETCH(p) __asm__("prefetcht0 (%0)" : : "r"(p))
+#define PREFETCH_ONCE(p) __asm__("prefetchnta (%0)" : : "r"(p))
 #else
 #define PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#define PREFETCH_ONCE(p) __builtin_prefetch((p), 0, 0)
 #endif
+/* PREFETCH_ONCE is for data read once and not again soon (a weight streamed by a single pass):
+ * the non-temporal hint keeps it from displacing what the caches hold for the rest of the step. */
 
 #endif
