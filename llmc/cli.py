@@ -204,7 +204,8 @@ def bench(engines, workload, output, no_plots, threads, max_num_seqs, max_num_ba
               help="min-tpot-p99, max-throughput or max-goodput (needs --slo).")
 @click.option("--budget", default="10m", show_default=True, help="Time to spend, e.g. 90s, 10m, 1h.")
 @click.option("--build-knobs", is_flag=True,
-              help="Also search block size and optional passes, building engine variants into the output folder.")
+              help="Also search block size, optional passes and --lossless-weights, building engine variants "
+                   "into the output folder.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Workspace: trial state (for resuming), tuning_report.md, plot [default: tune-<engine>].")
 @click.option("--fresh", is_flag=True, help="Forget the trials of an earlier run in the output folder.")

@@ -208,6 +208,9 @@ def test_build_knobs_come_from_the_manifest(llama_engine):
     cmd = build_command(manifest, llama_engine, {**space.default, "block_size": 16, "disable_passes": "cleanup"})
     assert cmd.startswith("llmc build tiny-llama -o ") and "--block-size 16" in cmd
     assert "--disable-pass cleanup" in cmd and "--max-context 256" in cmd and "--overwrite" in cmd
+    assert next(k for k in space.knobs if k.name == "lossless_weights").values == (False, True)
+    assert "--lossless-weights" not in cmd
+    assert "--lossless-weights" in build_command(manifest, llama_engine, {**space.default, "lossless_weights": True})
 
 
 # -- tuning.json --------------------------------------------------------------------------------

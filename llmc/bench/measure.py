@@ -53,9 +53,11 @@ def build_space(manifest: dict[str, Any]) -> tuple[list[Knob], Config]:
     block_size = int(manifest["kv_cache"]["block_size"])
     disabled = "+".join(options.get("disabled_passes") or []) or NO_PASSES
     optional = [p for p in ALL_PASSES if p not in REQUIRED_PASSES]
+    lossless = bool(options.get("lossless_weights", False))
     knobs = [Knob("block_size", _around(block_size, (8, 16, 32)), "build"),
-             Knob("disable_passes", tuple(dict.fromkeys([disabled, NO_PASSES, *optional])), "build")]
-    return knobs, {"block_size": block_size, "disable_passes": disabled}
+             Knob("disable_passes", tuple(dict.fromkeys([disabled, NO_PASSES, *optional])), "build"),
+             Knob("lossless_weights", (lossless, not lossless), "build")]
+    return knobs, {"block_size": block_size, "disable_passes": disabled, "lossless_weights": lossless}
 
 
 def make_space(defaults: dict[str, Any], manifest: dict[str, Any] | None, max_in_flight: int) -> SearchSpace:
@@ -80,6 +82,8 @@ def build_command(manifest: dict[str, Any], engine: Path, config: Config) -> str
             parts += ["--disable-pass", name]
     if options.get("last_token_logits") is False:
         parts.append("--all-logits")
+    if config.get("lossless_weights"):
+        parts.append("--lossless-weights")
     return " ".join(parts)
 
 
@@ -100,7 +104,8 @@ class WorkloadCost:
         from llmc.artifact import MANIFEST
         from llmc.compiler.pipeline import BuildOptions, build as run_build
 
-        variant = self.workspace / "engines" / f"bs{build['block_size']}-{build['disable_passes']}"
+        variant = self.workspace / "engines" / (f"bs{build['block_size']}-{build['disable_passes']}"
+                                                 + ("-lossless" if build["lossless_weights"] else ""))
         if not (variant / MANIFEST).is_file():  # built by an earlier, interrupted session: reuse
             options = self.manifest.get("build_options") or {}
             disabled = () if build["disable_passes"] == NO_PASSES else tuple(build["disable_passes"].split("+"))
@@ -111,7 +116,8 @@ class WorkloadCost:
                 raise LlmcError(f"engine {self.engine} does not record its source model; cannot rebuild variants")
             run_build(source, variant, BuildOptions(
                 block_size=build["block_size"], max_context=options.get("max_context"), disable_passes=disabled,
-                overwrite=True, last_token_logits=options.get("last_token_logits", True)))
+                overwrite=True, last_token_logits=options.get("last_token_logits", True),
+                lossless_weights=build["lossless_weights"]))
         return variant
 
     def __call__(self, config: Config) -> list[dict[str, Any]]:
