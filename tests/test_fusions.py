@@ -189,6 +189,26 @@ def test_merge_explains_a_non_constant_weight():
     assert rule.match(nodes[1], _ctx()) is None  # anchored at the first sibling only
 
 
+def test_lossless_rule_refuses_what_would_not_shrink():
+    """A weight whose floats span many octaves leaves too many exceptions; one with K not a
+    multiple of 4 has no layout. Both keep their fp32 form only, and say why."""
+    from llmc.passes.cpu_kernels import LosslessWeight, pack_weight
+
+    rng = np.random.default_rng(0)
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 2, 64]))
+    weights = {"normal": (rng.standard_normal((64, 40)) * 0.02).astype(np.float32),
+               "spread": (rng.standard_normal((64, 40)) * np.exp2(rng.integers(-30, 30, (64, 40)))).astype(np.float32),
+               "odd_k": np.ones((6, 40), np.float32)}
+    values = [ir.Value(name=k, const_value=ir.tensor(pack_weight(w))) for k, w in weights.items()]
+    nodes = [ir.Node(kernels.DOMAIN, "PackedMatMul", [x, v], attributes=[ir.AttrInt64("n", 40)], name=v.name)
+             for v in values]
+    _graph(nodes, [x], [n.outputs[0] for n in nodes], values)
+    rule, ctx = LosslessWeight(), _ctx()
+    checks = {n.name: rule.check(rule.match(n, ctx), ctx) for n in nodes}
+    assert checks["normal"] is None
+    assert "top byte outside" in checks["spread"] and "multiple of 4" in checks["odd_k"]
+
+
 def test_layout_rules_refuse_what_they_cannot_prove():
     x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 2, 3, 4]))
     t1 = ir.Node("", "Transpose", [x], attributes=[ir.AttrInt64s("perm", [0, 2, 1, 3])], name="t1")

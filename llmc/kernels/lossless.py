@@ -16,6 +16,20 @@ from llmc.kernels import PANEL
 
 TABLE = 16
 GROUP = 4  # k steps per group: a group's planes fill whole 64-byte lines
+# Above this share of exceptions (8 bytes each, and a patch in the kernel's loop) the copy stops
+# paying for itself: a weight with so spread a range keeps only its fp32 form.
+MAX_EXCEPTION_SHARE = 0.01
+
+
+def _panel_bytes(k: int) -> int:
+    return TABLE * 4 + k // GROUP * GROUP * (PANEL * 3 + 16)
+
+
+def exceptions(blob: np.ndarray, k: int, n: int) -> int:
+    """How many floats of an encoded weight are listed as exceptions."""
+    panels = -(-n // PANEL)
+    start = panels * _panel_bytes(k) + 4 * panels
+    return int(blob[start:start + 4].copy().view(np.int32)[0])
 
 
 def supports(packed: np.ndarray) -> str | None:
@@ -60,7 +74,7 @@ def encode(packed: np.ndarray) -> np.ndarray:
 def decode(blob: np.ndarray, k: int, n: int) -> np.ndarray:
     """The format's bytes -> [panels, K, 32] float32: the reference the kernel is tested against."""
     panels, groups = -(-n // PANEL), k // GROUP
-    panel_bytes = TABLE * 4 + groups * GROUP * PANEL * 3 + groups * GROUP * 16
+    panel_bytes = _panel_bytes(k)
     body = blob[:panels * panel_bytes].reshape(panels, panel_bytes)
     table = body[:, :TABLE * 4].copy().view(np.uint32)
     planes = body[:, TABLE * 4:].reshape(panels, groups, -1)

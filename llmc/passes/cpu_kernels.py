@@ -369,11 +369,17 @@ class LosslessWeight(RewriteRule):
         w = weight(m["weight"])
         if w is None:
             return "the weight is not a constant initializer"
-        return lossless.supports(w)
+        if (why := lossless.supports(w)) is not None:
+            return why
+        m["copy"] = lossless.encode(w)
+        share = lossless.exceptions(m["copy"], w.shape[1], m["node"].attributes["n"].as_int()) / w.size
+        if share > lossless.MAX_EXCEPTION_SHARE:
+            return f"{share:.1%} of its floats have a top byte outside their panel's 16 commonest"
+        return None
 
     def rewrite(self, m, ctx: BuildContext, model: ir.Model):
         node, w = m["node"], m["weight"]
-        copy = ir.Value(name=f"{w.name}.lossless", const_value=ir.tensor(lossless.encode(weight(w))))
+        copy = ir.Value(name=f"{w.name}.lossless", const_value=ir.tensor(m["copy"]))
         model.graph.register_initializer(copy)
         node.resize_inputs(len(node.inputs) + 1)
         node.replace_input_with(len(node.inputs) - 1, copy)
