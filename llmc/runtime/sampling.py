@@ -183,10 +183,13 @@ class Sampler:
         if len(params) != batch or len(rngs) != batch:
             raise ValueError(f"got {batch} logit rows, {len(params)} params and {len(rngs)} rngs; they must match")
 
+        # All greedy, the common serving case: one argmax, no [B, V] copy. Checked in plain Python:
+        # right after a step's graph run the caches hold none of numpy's code, and fromiter + all
+        # cost ~50 us there (one batch-1 token is ~12 ms).
+        if all(p.greedy for p in params):
+            return np.argmax(logits, axis=-1).astype(np.int64, copy=False)
         out = np.empty(batch, dtype=np.int64)
         greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=batch)
-        if greedy.all():  # the common serving case: no [B, V] copy
-            return np.argmax(logits, axis=-1).astype(np.int64, copy=False)
         if greedy.any():
             out[greedy] = np.argmax(logits[greedy], axis=-1)
 
