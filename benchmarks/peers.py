@@ -229,9 +229,9 @@ def setup(args, folder: Path) -> tuple[Path, dict]:
 
 
 def optional_passes() -> list[str]:
-    from llmc.passes import ALL_PASSES, REQUIRED_PASSES
+    from llmc.passes import OPTIONAL_PASSES
 
-    return [p for p in ALL_PASSES if p not in REQUIRED_PASSES]
+    return list(OPTIONAL_PASSES)
 
 
 def build_engine(model: str, out: Path, flags: list[str]) -> str | None:
@@ -251,17 +251,20 @@ def disable(passes) -> list[str]:
 def build_variants(args, work: Path) -> tuple[list[tuple[str, Path]], dict[str, str]]:
     """The llmc engines to measure, and a build error per variant that could not be built."""
     engines, failed = parse_llmc(args.llmc), {}
+
+    def variant(name: str, out: Path, flags: list[str]) -> None:
+        engines.append((name, out))
+        err = build_engine(args.model, out, flags)
+        if err:
+            failed[name] = f"build failed: {err}"
+
     if not engines:
         engines.append(("llmc", work / "engine"))
         err = build_engine(args.model, engines[-1][1], [])
         if err:
             raise SystemExit(f"error: llmc build {args.model} failed: {err}")
     if args.lossless:
-        name, out = "llmc --lossless-weights", work / "engine-lossless"
-        engines.append((name, out))
-        err = build_engine(args.model, out, ["--lossless-weights"])
-        if err:
-            failed[name] = f"build failed: {err}"
+        variant("llmc --lossless-weights", work / "engine-lossless", ["--lossless-weights"])
     optional = optional_passes()
     if args.no_fusions:
         out = work / "engine-no-fusions"
@@ -281,11 +284,7 @@ def build_variants(args, work: Path) -> tuple[list[tuple[str, Path]], dict[str, 
             failed[name] = f"build failed: {err}"
     if args.ablate:
         for p in optional:
-            name, out = f"llmc -{p}", work / f"engine-no-{p}"
-            engines.append((name, out))
-            err = build_engine(args.model, out, disable([p]))
-            if err:
-                failed[name] = f"build failed: {err}"
+            variant(f"llmc -{p}", work / f"engine-no-{p}", disable([p]))
     return engines, failed
 
 

@@ -209,6 +209,8 @@ def test_build_knobs_come_from_the_manifest(llama_engine):
     assert cmd.startswith("llmc build tiny-llama -o ") and "--block-size 16" in cmd
     assert "--disable-pass cleanup" in cmd and "--max-context 256" in cmd and "--overwrite" in cmd
     assert next(k for k in space.knobs if k.name == "lossless_weights").values == (False, True)
+    # an opt-in pass is off unless asked: "disabling" it would only measure the same engine again
+    assert "lossless-weights" not in next(k for k in space.knobs if k.name == "disable_passes").values
     assert "--lossless-weights" not in cmd
     assert "--lossless-weights" in build_command(manifest, llama_engine, {**space.default, "lossless_weights": True})
 

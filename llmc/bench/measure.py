@@ -47,15 +47,14 @@ def runtime_space(defaults: dict[str, Any], max_in_flight: int) -> list[Knob]:
 
 def build_space(manifest: dict[str, Any]) -> tuple[list[Knob], Config]:
     """Build knobs and the engine's own values of them (from its manifest)."""
-    from llmc.passes import ALL_PASSES, REQUIRED_PASSES
+    from llmc.passes import OPTIONAL_PASSES
 
     options = manifest.get("build_options") or {}
     block_size = int(manifest["kv_cache"]["block_size"])
     disabled = "+".join(options.get("disabled_passes") or []) or NO_PASSES
-    optional = [p for p in ALL_PASSES if p not in REQUIRED_PASSES]
     lossless = bool(options.get("lossless_weights", False))
     knobs = [Knob("block_size", _around(block_size, (8, 16, 32)), "build"),
-             Knob("disable_passes", tuple(dict.fromkeys([disabled, NO_PASSES, *optional])), "build"),
+             Knob("disable_passes", tuple(dict.fromkeys([disabled, NO_PASSES, *OPTIONAL_PASSES])), "build"),
              Knob("lossless_weights", (lossless, not lossless), "build")]
     return knobs, {"block_size": block_size, "disable_passes": disabled, "lossless_weights": lossless}
 

@@ -25,11 +25,17 @@ def _panel_bytes(k: int) -> int:
     return TABLE * 4 + k // GROUP * GROUP * (PANEL * 3 + 16)
 
 
+def _exception_lists(blob: np.ndarray, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """An encoded weight's per-panel offsets [panels + 1] and its (position, bits) pairs."""
+    panels = -(-n // PANEL)
+    tail = blob[panels * _panel_bytes(k):]
+    offsets = tail[:4 * (panels + 1)].copy().view(np.int32)
+    return offsets, tail[4 * (panels + 1):].copy().view(np.int32).reshape(-1, 2)
+
+
 def exceptions(blob: np.ndarray, k: int, n: int) -> int:
     """How many floats of an encoded weight are listed as exceptions."""
-    panels = -(-n // PANEL)
-    start = panels * _panel_bytes(k) + 4 * panels
-    return int(blob[start:start + 4].copy().view(np.int32)[0])
+    return int(_exception_lists(blob, k, n)[0][-1])
 
 
 def supports(packed: np.ndarray) -> str | None:
@@ -84,9 +90,7 @@ def decode(blob: np.ndarray, k: int, n: int) -> np.ndarray:
     codes = np.concatenate([pairs & 15, pairs >> 4], axis=3).reshape(panels, groups, GROUP * PANEL)
     high = np.take_along_axis(table, codes.reshape(panels, -1).astype(np.int64), axis=1).reshape(codes.shape)
     bits = (low | mid << 16 | high).reshape(panels, k, PANEL)
-    tail = blob[panels * panel_bytes:]
-    offsets = tail[:4 * (panels + 1)].copy().view(np.int32)
-    exceptions = tail[4 * (panels + 1):].copy().view(np.int32).reshape(-1, 2)
+    offsets, exceptions = _exception_lists(blob, k, n)
     if len(exceptions) != offsets[-1]:
         raise ValueError(f"the blob lists {len(exceptions)} exceptions, its offsets {offsets[-1]}")
     for p in range(panels):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from llmc.passes.base import BuildContext, Pass, PassManager, PassRecord, PassResult, RewriteRule
 
 __all__ = ["BuildContext", "Pass", "PassManager", "PassRecord", "PassResult", "RewriteRule",
-           "ALL_PASSES", "REQUIRED_PASSES", "make_passes"]
+           "ALL_PASSES", "REQUIRED_PASSES", "OPT_IN_PASSES", "OPTIONAL_PASSES", "make_passes"]
 
 
 def _registry() -> dict[str, type[Pass]]:
@@ -31,6 +31,10 @@ def _registry() -> dict[str, type[Pass]]:
 ALL_PASSES = ("cleanup", "native-gqa", "merge-matmuls", "paged-kv-cache", "last-token-logits", "ort-fusions",
               "cpu-kernels", "ort-lower", "simplify-layout", "packed-matmul", "lossless-weights")
 REQUIRED_PASSES = ("paged-kv-cache", "ort-lower")
+# Passes that change nothing unless a build option asks (`--lossless-weights`): disabling them is moot.
+OPT_IN_PASSES = ("lossless-weights",)
+# What `--disable-pass` can usefully take away (ablations, tuning).
+OPTIONAL_PASSES = tuple(p for p in ALL_PASSES if p not in REQUIRED_PASSES + OPT_IN_PASSES)
 
 
 def make_passes(names: list[str]) -> list[Pass]:
