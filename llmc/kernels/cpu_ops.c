@@ -14,6 +14,7 @@
 #define EXPORT __attribute__((visibility("default")))
 
 static const OrtApi *api;
+static int shape_by_reference; /* the ORT has GetTensorElementTypeAndShapeDataReference */
 
 #define CALL(slot, type, ...) (((type)api[slot])(__VA_ARGS__))
 
@@ -47,6 +48,19 @@ static OrtStatus *input(OrtKernelContext *ctx, size_t index, tensor *t) {
     TRY(CALL(ORT_KernelContext_GetInput, ort_get_input_fn, ctx, index, &t->value));
     if (t->value == NULL)
         return NULL;
+    if (shape_by_reference) {
+        /* 1 call instead of 5 and a heap object, per input of each of a step's ~150 ops: the
+         * ops' time before their kernels in a batch-1 step went from 394 to 309 us (545 to 429
+         * with lossless weights; rdtsc-traced A/B, 8 alternations) */
+        const int64_t *dims;
+        TRY(CALL(ORT_GetTensorElementTypeAndShapeDataReference, ort_type_shape_ref_fn, t->value, &t->type, &dims,
+                 &t->rank));
+        if (t->rank > 8)
+            return error("input", "tensor rank above 8");
+        if (t->rank > 0)
+            memcpy(t->dims, dims, t->rank * sizeof *dims);
+        return NULL;
+    }
     OrtTensorTypeAndShapeInfo *info;
     TRY(CALL(ORT_GetTensorTypeAndShape, ort_get_type_shape_fn, t->value, &info));
     OrtStatus *status = CALL(ORT_GetDimensionsCount, ort_get_dims_count_fn, info, &t->rank);
@@ -510,7 +524,10 @@ static void define(op_description *d, const char *name, create_fn create, comput
 static op_description attention_op, swiglu_op, linear_op, norm_linear_op, swiglu_linear_op;
 
 EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
-    api = base->GetApi(LLMC_ORT_API_VERSION);
+    api = base->GetApi(LLMC_ORT_API_SHAPE_REF);
+    shape_by_reference = api != NULL;
+    if (api == NULL)
+        api = base->GetApi(LLMC_ORT_API_VERSION);
     if (api == NULL)
         return NULL;  /* an ORT older than the kernels need: ORT reports the unknown ops */
     /* Once per process: sessions already running read these descriptions at compute time, so a

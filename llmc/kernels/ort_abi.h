@@ -74,6 +74,13 @@ typedef void (*ort_release_fn)(OrtTensorTypeAndShapeInfo *info);
 typedef OrtStatus *(*ort_parallel_for_fn)(const OrtKernelContext *ctx, void (*fn)(void *, size_t), size_t total,
                                           size_t num_batch, void *user_data);
 
+/* API 24 (ORT 1.24) on: a tensor's element type and shape without allocating the type-and-shape
+ * object the calls above need (shape points into the value, valid while it lives). */
+#define LLMC_ORT_API_SHAPE_REF 24
+#define ORT_GetTensorElementTypeAndShapeDataReference 414
+typedef OrtStatus *(*ort_type_shape_ref_fn)(const OrtValue *value, int32_t *type, const int64_t **shape,
+                                            size_t *count);
+
 /* A custom op's description, member order as ORT reads it (through version 17: GetEndVersion). */
 struct OrtCustomOp {
     uint32_t version;
