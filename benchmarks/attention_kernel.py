@@ -25,7 +25,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 
 def session(threads: int) -> ort.InferenceSession:
-    from llmc import kernels
+    from llmc.plugins import cpu as kernels
 
     names = ["qkv", "", "", "pool", "past", "qlen", "tables"]
     types = {"past": TensorProto.INT32, "qlen": TensorProto.INT32, "tables": TensorProto.INT32}
@@ -53,7 +53,7 @@ def main() -> None:
                     help="where each sequence's blocks lie in the pool")
     args = ap.parse_args()
 
-    from llmc import kv_layout
+    from llmc.contract import kv_layout
     from llmc.plugins import paged_attention as pa
 
     rng = np.random.default_rng(0)

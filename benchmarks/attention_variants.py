@@ -15,7 +15,7 @@ ORT session with 2 threads, median of 30 runs; outputs are checked against varia
 The gather alone is timed too: it is what every variant pays. Results: docs/attention_cpu.md.
 """
 import time, sys
-import numpy as np, onnx, onnxruntime as ort
+import numpy as np, onnxruntime as ort
 from onnx import helper as h, TensorProto as TP
 B, Hq, Hkv, D, bs = 16, 9, 3, 64, 16
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 512
@@ -102,7 +102,8 @@ except Exception as e: print("D failed", str(e)[:400])
 # Its step also writes the new token; feeding the K/V already at position lens-1 makes that write
 # a no-op, so it attends to exactly what A does.
 try:
-    from llmc import kernels, kv_layout
+    from llmc.contract import kv_layout
+    from llmc.plugins import cpu as kernels
     pos = lens - 1
     blk, off = bt[np.arange(B), pos // bs], pos % bs
     k_cur, v_cur = (poolA[w, blk, off].reshape(B, 1, Hkv * D) for w in (0, 1))

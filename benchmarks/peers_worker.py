@@ -35,9 +35,9 @@ class LlmcBackend:
         # which no peer has enabled here.
         self.llm = LLM(engine_dir, num_threads=threads, max_num_seqs=max(max_seqs, 8),
                        enable_prefix_caching=False)
+        manifest = self.llm.engine.manifest
         self.info = {"runtime": "llmc", "engine": str(engine_dir), "threads": threads,
-                     "disabled_passes": self.llm.engine.manifest.get("build_options", {}).get("disabled_passes", []),
-                     "kv_dtype": self.llm.engine.manifest.get("kv_cache", {}).get("dtype")}
+                     "disabled_passes": list(manifest.build_options.disable_passes), "kv_dtype": manifest.kv_cache.dtype}
 
     def _params(self, n: int):
         from llmc.runtime.sampling import SamplingParams

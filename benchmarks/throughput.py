@@ -13,7 +13,6 @@ are defined; pure decode is timed per step here, each request's TPOT the mean of
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np

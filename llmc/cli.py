@@ -12,9 +12,8 @@ from pathlib import Path
 import click
 
 from llmc import __version__
+from llmc.compiler.recipes import DEFAULT_RECIPE as DEFAULT_MODEL
 from llmc.errors import LlmcError
-
-DEFAULT_MODEL = "tiny-llama"
 
 
 class _Group(click.Group):
@@ -39,8 +38,6 @@ def main():
 @click.argument("model", default=DEFAULT_MODEL)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Engine directory to write (default: engines/<model name>).")
-@click.option("--dtype", type=click.Choice(["float32"]), default="float32", show_default=True,
-              help="Weight and activation precision (fp32 on the ORT CPU backend; lower precisions come with quantization).")
 @click.option("--block-size", default=16, show_default=True, help="KV cache block size in tokens.")
 @click.option("--max-context", type=int, default=None,
               help="Longest sequence (prompt + output) the engine serves [default: model max, at most 4096].")
@@ -56,26 +53,27 @@ def main():
 @click.option("--lossless-weights", is_flag=True,
               help="Also store the weights in a lossless format 12.5% smaller that batch-1 to 8 decode reads "
                    "(same outputs, faster tokens; the engine holds both copies).")
-def build(model, output, dtype, block_size, max_context, disable_passes, list_passes, verify, all_logits,
+def build(model, output, block_size, max_context, disable_passes, list_passes, verify, all_logits,
           dump_ir, overwrite, explain, lossless_weights):
     """Compile MODEL (a recipe name, a local HF folder or a hub id) into an engine."""
-    if list_passes:
-        from llmc.passes import ALL_PASSES, REQUIRED_PASSES, make_passes
+    from llmc.contract.options import BuildOptions
 
-        for p in make_passes(list(ALL_PASSES)):
-            tag = " (required)" if p.name in REQUIRED_PASSES else ""
-            click.echo(f"{p.name:20s} {p.description}{tag}")
+    options = BuildOptions(block_size=block_size, max_context=max_context, disable_passes=tuple(disable_passes),
+                           verify=verify, last_token_logits=not all_logits, lossless_weights=lossless_weights)
+    if list_passes:
+        from llmc.passes.pipeline import phases
+
+        for phase in phases(options):
+            click.echo(f"{phase.name}:")
+            for p in phase.passes:
+                tag = " (required)" if p.required else ""
+                click.echo(f"  {p.name:20s} {p.description}{tag}")
         return
     from rich.console import Console
 
-    from llmc.compiler.pipeline import BuildOptions
-    from llmc.compiler.pipeline import build as run_build
+    from llmc.compiler.build import build as run_build
 
     output = output or Path("engines") / Path(model).name
-    options = BuildOptions(block_size=block_size, max_context=max_context,
-                           disable_passes=tuple(disable_passes), verify=verify, dump_ir=dump_ir,
-                           overwrite=overwrite, last_token_logits=not all_logits,
-                           lossless_weights=lossless_weights)
     console = Console(stderr=True, highlight=False)
     with console.status(f"building {model}") as status:
         def progress(stage: str, message: str, finished: bool) -> None:
@@ -84,7 +82,7 @@ def build(model, output, dtype, block_size, max_context, disable_passes, list_pa
             else:
                 status.update(f"[bold]{stage}[/] {message}")
 
-        result = run_build(model, output, options, progress)
+        result = run_build(model, output, options, overwrite=overwrite, dump_ir=dump_ir, progress=progress)
     total = sum(s.seconds for s in result.stages)
     console.print(f"engine written to [bold]{result.engine_dir}[/] in {total:.1f}s "
                   f"(peak RSS {result.peak_rss_mb:.0f} MB)")
@@ -115,7 +113,7 @@ def run(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignor
                             seed=seed, stop=tuple(stop), ignore_eos=ignore_eos)
     llm = LLM(engine, num_threads=threads, use_tuning=not no_tuning)
     if llm.tuning is not None:
-        from llmc.runtime.tuning import tuning_line
+        from llmc.contract.tuning import tuning_line
 
         click.echo(tuning_line(llm.tuning), err=True)
     stream = llm.stream(prompt, params)
@@ -225,10 +223,11 @@ def inspect(engine, as_json):
     """Describe an engine: model, backend, KV cache layout, passes, files."""
     import json
 
-    from llmc.artifact import format_manifest, load_manifest
+    from llmc.contract.engine_dir import open_engine
+    from llmc.describe import describe
 
-    manifest = load_manifest(engine)
-    click.echo(json.dumps(manifest, indent=2) if as_json else format_manifest(manifest, engine))
+    manifest = open_engine(engine).manifest
+    click.echo(json.dumps(manifest.to_json(), indent=2) if as_json else describe(manifest, engine))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """A small node builder over onnx_ir, shared by passes and op definitions.
 
 `ops = OpBuilder(graph_or_function); y = ops.Add(a, b)` appends `Add` to the tape; keyword
-arguments become attributes. Passes use it to build replacement subgraphs and then insert
-`ops.nodes` where the matched nodes were.
+arguments become attributes. An op's ONNX function is built with one (plugins), and so is a
+rewrite's replacement (passes.rewrite.Replacement), which the pass framework then inserts.
 """
 
 from __future__ import annotations

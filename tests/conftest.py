@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from llmc import kernels
+from llmc.plugins import cpu
 
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-phi3")
 BLOCK_SIZE = 4
 MAX_CONTEXT = 256
 # For tests of llmc's CPU kernels: CI's install compiles them, so there they always run.
-needs_kernels = pytest.mark.skipif(kernels.library_path() is None,
+needs_kernels = pytest.mark.skipif(cpu.library_path() is None,
                                    reason="llmc's CPU kernel library is not built (no C compiler at install)")
 
 
@@ -37,7 +37,8 @@ class _Engines:
     def __call__(self, recipe: str, *disabled_passes: str) -> Path:
         key = (recipe, *disabled_passes)
         if key not in self._built:
-            from llmc.compiler.pipeline import BuildOptions, build
+            from llmc.compiler.build import build
+            from llmc.contract.options import BuildOptions
 
             out = self.root / "-".join(key)
             build(recipe, out, BuildOptions(block_size=BLOCK_SIZE, max_context=MAX_CONTEXT, verify=True,

@@ -3,7 +3,6 @@ reference of llmc::PagedAttention, plus the errors users see around them."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
@@ -12,9 +11,11 @@ import pytest
 from onnx import TensorProto, helper
 
 from conftest import needs_kernels
-from llmc import kernels, kv_layout
+from llmc.contract import kv_layout, open_engine
 from llmc.errors import EngineError
+from llmc.plugins import cpu
 from llmc.plugins import paged_attention as pa
+from llmc.plugins.cpu import lossless, pack_weight
 
 pytestmark = needs_kernels
 F32, I32 = TensorProto.FLOAT, TensorProto.INT32
@@ -22,15 +23,15 @@ F32, I32 = TensorProto.FLOAT, TensorProto.INT32
 
 def _session(op_type: str, inputs: list[str], outputs: list[str], **attrs) -> ort.InferenceSession:
     types = {"past": I32, "qlen": I32, "tables": I32, "lossless": TensorProto.UINT8}  # the rest: float32
-    node = helper.make_node(op_type, inputs, outputs, domain=kernels.DOMAIN, **attrs)
+    node = helper.make_node(op_type, inputs, outputs, domain=cpu.DOMAIN, **attrs)
     graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info(n, types.get(n, F32), None)
                                                  for n in inputs if n],
                               [helper.make_tensor_value_info(n, F32, None) for n in outputs])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(kernels.DOMAIN, kernels.VERSION)])
+                                                    helper.make_opsetid(cpu.DOMAIN, cpu.VERSION)])
     model.ir_version = 10
     opts = ort.SessionOptions()
-    kernels.register(opts)
+    cpu.register(opts)
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
@@ -127,8 +128,6 @@ def test_paged_attention_kernel_matches_the_reference(case):
                                      (37, 96, 100)])
 def test_packed_matmul_matches_numpy(rows, k, n):
     """Every row-tile size (12/8/4/1) and a partial last column panel."""
-    from llmc.passes.cpu_kernels import pack_weight
-
     rng = np.random.default_rng(rows)
     x, w = rng.standard_normal((1, rows, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
     sess = _session("PackedMatMul", ["x", "w"], ["y"], n=n)
@@ -141,8 +140,6 @@ def test_packed_matmul_matches_numpy(rows, k, n):
 @pytest.mark.parametrize("rows", [1, 13])
 def test_skip_rmsnorm_matmul_matches_numpy(rows):
     """The residual sum, and the product of its RMS-normed rows with a packed weight."""
-    from llmc.passes.cpu_kernels import pack_weight
-
     rng = np.random.default_rng(rows)
     x, skip = (rng.standard_normal((1, rows, 40), dtype=np.float32) for _ in range(2))
     gamma, w = rng.standard_normal(40, dtype=np.float32), rng.standard_normal((40, 70), dtype=np.float32)
@@ -158,8 +155,6 @@ def test_skip_rmsnorm_matmul_matches_numpy(rows):
 
 @pytest.mark.parametrize("rows", [1, 13])
 def test_swiglu_matmul_matches_numpy(rows):
-    from llmc.passes.cpu_kernels import pack_weight
-
     rng = np.random.default_rng(rows)
     x, w = rng.standard_normal((1, rows, 2 * 40), dtype=np.float32), rng.standard_normal((40, 70), dtype=np.float32)
     sess = _session("SwiGLUMatMul", ["x", "w"], ["y"], n=70)
@@ -198,9 +193,6 @@ def _spread_weight(rng, k: int, n: int) -> np.ndarray:
 
 
 def test_the_lossless_format_round_trips_every_bit():
-    from llmc.kernels import lossless
-    from llmc.passes.cpu_kernels import pack_weight
-
     packed = pack_weight(_spread_weight(np.random.default_rng(0), 96, 70))
     blob = lossless.encode(packed)
     assert np.array_equal(lossless.decode(blob, 96, 70).view(np.uint32), packed.view(np.uint32))
@@ -227,9 +219,6 @@ LOSSLESS_OPS = {  # op -> (its inputs before the lossless one, the width of its 
 def test_lossless_weights_give_the_fp32_bits(op, rows):
     """Up to 8 rows the ops read the lossless copy (a corrupted copy changes the output, so the
     path is exercised), and the output equals the fp32 weight's to the bit; above, the fp32 one."""
-    from llmc.kernels import lossless
-    from llmc.passes.cpu_kernels import pack_weight
-
     if "avx512f" not in open("/proc/cpuinfo").read():
         pytest.skip("no AVX-512 on this CPU: the ops read the fp32 weight and never the lossless copy")
     rng = np.random.default_rng(rows)
@@ -262,32 +251,34 @@ def test_swiglu_kernel(rows):
     np.testing.assert_allclose(out, gate / (1 + np.exp(-gate)) * up, rtol=1e-6, atol=1e-6)
 
 
-def test_the_pass_stands_aside_without_the_library(monkeypatch):
-    from llmc.passes import BuildContext, make_passes
-    from llmc.spec import ModelSpec
+@pytest.mark.parametrize("kernel_pass", ["cpu-kernels", "packed-matmul", "lossless-weights"])
+def test_the_pass_stands_aside_without_the_library(monkeypatch, kernel_pass):
     import onnx_ir as ir
 
-    monkeypatch.setenv(kernels.LIBRARY_ENV, "")
+    from llmc.contract.model_spec import ModelSpec
+    from llmc.contract.options import BuildOptions
+    from llmc.passes.pipeline import pipeline
+
+    monkeypatch.setenv(cpu.LIBRARY_ENV, "")
     spec = ModelSpec(family="llama", architecture="LlamaForCausalLM", num_layers=1, hidden_size=8, num_heads=2,
                      num_kv_heads=1, head_dim=4, intermediate_size=16, vocab_size=32, max_position_embeddings=64,
                      rope_theta=1e4, norm_eps=1e-6, activation="silu", tie_word_embeddings=False)
-    result = make_passes(["cpu-kernels"])[0].run(ir.Model(ir.Graph([], [], nodes=[]), ir_version=10),
-                                                 BuildContext(spec))
+    the_pass = next(p for p in pipeline(BuildOptions(lossless_weights=True)) if p.name == kernel_pass)
+    result = the_pass.run(ir.Model(ir.Graph([], [], nodes=[]), ir_version=10), spec)
     assert not result.changed and "not built" in result.misses[0]
 
 
 def test_an_engine_that_needs_the_kernels_fails_clearly_without_them(llama_engine, tmp_path, monkeypatch):
     from llmc.runtime.engine import Engine
 
-    manifest = json.loads((llama_engine / "manifest.json").read_text())
-    assert manifest["backend"]["custom_ops"] == [kernels.DOMAIN]
-    monkeypatch.setenv(kernels.LIBRARY_ENV, "")
+    assert open_engine(llama_engine).manifest.backend.custom_ops == (cpu.DOMAIN,)
+    monkeypatch.setenv(cpu.LIBRARY_ENV, "")
     with pytest.raises(EngineError, match="--disable-pass cpu-kernels") as err:
         Engine(llama_engine)
     assert "\n" not in str(err.value)
     # A library that ORT cannot load (here: not a shared object) is named as such, in one line.
     bogus = tmp_path / "libbogus.so"
-    shutil.copy(llama_engine / "manifest.json", bogus)
-    monkeypatch.setenv(kernels.LIBRARY_ENV, str(bogus))
+    shutil.copy(llama_engine / "generation_config.json", bogus)
+    monkeypatch.setenv(cpu.LIBRARY_ENV, str(bogus))
     with pytest.raises(EngineError, match="cannot load llmc's CPU kernels"):
         Engine(llama_engine)

@@ -94,14 +94,15 @@ def test_engine_unknown_kv_cache_layout(engine_copy):
     manifest = json.loads((engine_copy / "manifest.json").read_text())
     manifest["kv_cache"]["layout"] = "diagonal"
     (engine_copy / "manifest.json").write_text(json.dumps(manifest))
-    _assert_one_line_error(["run", str(engine_copy), "hi"], "unknown kv_cache.layout 'diagonal'")
+    _assert_one_line_error(["run", str(engine_copy), "hi"], "kv_cache.layout: expected one of")
 
 
 def test_engine_of_an_older_schema_says_rebuild(engine_copy):
     manifest = json.loads((engine_copy / "manifest.json").read_text())
-    manifest["schema_version"] = 1  # before kv_cache.layout: its kernel pools were laid out otherwise
+    manifest["schema_version"] = 2  # untyped manifests, before the contract package
     (engine_copy / "manifest.json").write_text(json.dumps(manifest))
-    _assert_one_line_error(["run", str(engine_copy), "hi"], "rebuild it with `llmc build`")
+    _assert_one_line_error(["run", str(engine_copy), "hi"], "uses schema 2, which this llmc no longer reads")
+    _assert_one_line_error(["inspect", str(engine_copy)], "rebuild it with `llmc build`")
 
 
 def test_no_engine_at_path(tmp_path):
@@ -146,7 +147,7 @@ def test_out_of_kv_memory_is_a_clear_error(llama_engine):
 
 
 def test_interrupted_build_leaves_nothing(tmp_path):
-    from llmc.compiler.pipeline import BuildOptions, build
+    from llmc.compiler.build import build
 
     target = tmp_path / "engine"
 
@@ -155,7 +156,7 @@ def test_interrupted_build_leaves_nothing(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build("tiny-llama", target, BuildOptions(), progress=interrupt)
+        build("tiny-llama", target, progress=interrupt)
     assert not target.exists()
     assert list(tmp_path.iterdir()) == []
 

@@ -7,21 +7,21 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from llmc.contract import kv_layout
 from llmc.plugins import paged_attention as pa
+
+
+def _pool_shape(num_blocks, block_size, kv_heads, head_dim):
+    return kv_layout.pool_shape(kv_layout.TOKEN_MAJOR, num_blocks, block_size, kv_heads, head_dim)
 
 
 def _single_op_model(attrs: pa.PagedAttentionAttrs, head_dim: int, block_size: int, inline: bool):
     f32, i32 = ir.DataType.FLOAT, ir.DataType.INT32
-    shapes = {
-        "query": (f32, ["B", attrs.num_heads, "S", head_dim]),
-        "key": (f32, ["B", attrs.num_kv_heads, "S", head_dim]),
-        "value": (f32, ["B", attrs.num_kv_heads, "S", head_dim]),
-        "kv_cache": (f32, pa.cache_shape("N", block_size, attrs.num_kv_heads, head_dim)),
-        "past_lens": (i32, ["B"]),
-        "query_lens": (i32, ["B"]),
-        "block_tables": (i32, ["B", "M"]),
-    }
-    inputs = [ir.Value(name=n, type=ir.TensorType(t), shape=ir.Shape(s)) for n, (t, s) in shapes.items()]
+    shapes = [(f32, ["B", attrs.num_heads, "S", head_dim]), (f32, ["B", attrs.num_kv_heads, "S", head_dim]),
+              (f32, ["B", attrs.num_kv_heads, "S", head_dim]),
+              (f32, _pool_shape("N", block_size, attrs.num_kv_heads, head_dim)),
+              (i32, ["B"]), (i32, ["B"]), (i32, ["B", "M"])]
+    inputs = [ir.Value(name=n, type=ir.TensorType(t), shape=ir.Shape(s)) for n, (t, s) in zip(pa.INPUTS, shapes)]
     node = ir.Node(pa.DOMAIN, pa.OP_TYPE, inputs, num_outputs=2,
                    attributes=[ir.convenience.convert_attribute(k, v) for k, v in attrs.as_dict().items()])
     for out, name, like in zip(node.outputs, pa.OUTPUTS, (inputs[0], inputs[3])):
@@ -46,13 +46,12 @@ def test_function_matches_reference(window, inline):
     qlens = np.array([5, 2, 4], np.int32)  # ragged: rows 1 and 2 are padded
     tables = np.array([[7, 2, 9, 0], [4, 11, 1, 6], [13, 3, 0, 0]], np.int32)
     batch, seq = 3, 5
-    feeds = {
-        "query": rng.standard_normal((batch, heads, seq, head_dim)).astype(np.float32),
-        "key": rng.standard_normal((batch, kv_heads, seq, head_dim)).astype(np.float32),
-        "value": rng.standard_normal((batch, kv_heads, seq, head_dim)).astype(np.float32),
-        "kv_cache": rng.standard_normal(pa.cache_shape(num_blocks, block_size, kv_heads, head_dim)).astype(np.float32),
-        "past_lens": past, "query_lens": qlens, "block_tables": tables,
-    }
+    values = [rng.standard_normal((batch, heads, seq, head_dim)).astype(np.float32),
+              rng.standard_normal((batch, kv_heads, seq, head_dim)).astype(np.float32),
+              rng.standard_normal((batch, kv_heads, seq, head_dim)).astype(np.float32),
+              rng.standard_normal(_pool_shape(num_blocks, block_size, kv_heads, head_dim)).astype(np.float32),
+              past, qlens, tables]
+    feeds = dict(zip(pa.INPUTS, values))
     out, cache = sess.run(None, feeds)
     ref_out, ref_cache = pa.reference(**feeds, **attrs.as_dict())
     for b in range(batch):
@@ -62,7 +61,7 @@ def test_function_matches_reference(window, inline):
     # The new tokens' K landed where the tables say, not anywhere else.
     b, j = 1, 1
     p = past[b] + j
-    np.testing.assert_array_equal(cache[0, tables[b, p // block_size], p % block_size], feeds["key"][b, :, j])
+    np.testing.assert_array_equal(cache[0, tables[b, p // block_size], p % block_size], values[1][b, :, j])
 
 
 def test_shape_rule():

@@ -1,15 +1,18 @@
-"""Every pass verified numerically on tiny-llama; rules count what they changed and explain misses."""
+"""Every pass verified numerically on tiny-llama; rules count what they changed and explain misses;
+the pipeline is the phased list the options call for."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
 from conftest import needs_kernels
-from llmc import kernels
-from llmc.passes import ALL_PASSES, BuildContext, PassManager, make_passes
+from llmc.contract import kv_layout, open_engine
+from llmc.contract.options import BuildOptions
+from llmc.errors import LlmcError
+from llmc.passes.manager import PassManager
+from llmc.passes.pipeline import phases, pipeline
 from llmc.passes.verify import ATOL, PassVerificationError, compare, verifier
+from llmc.plugins import cpu
 
 # With llmc's CPU kernels (the default where they are built) attention, its RoPE and the packed
 # projections go to the kernels, leaving ort-lower and the layout pass nothing to do on
@@ -21,13 +24,13 @@ COMMON_COUNTS = {
     "merge-matmuls": {"qkv_merge": 2, "gate_up_merge": 2},
     "ort-fusions": {"skip_rmsnorm": 4, "swiglu": 2},
 }
-KERNEL_COUNTS = {**COMMON_COUNTS, "cpu-kernels": {"paged_attention": 2, "rope_fused": 2, "qkv_packed": 2,
-                                                  "swiglu": 2},
-                 "packed-matmul": {"packed_matmul": 9, "skip_rmsnorm_matmul": 3,
-                                   "swiglu_matmul": 2}}
+KERNEL_COUNTS = {**COMMON_COUNTS,
+                 "cpu-kernels": {"paged_attention_kernel": 2, "rope_fused": 2, "qkv_packed": 2, "heads_merged": 2,
+                                 "swiglu": 2},
+                 "packed-matmul": {"packed_matmul": 9, "skip_rmsnorm_matmul": 3, "swiglu_matmul": 2}}
 COMPOSED_COUNTS = {**COMMON_COUNTS, "ort-lower": {"paged_attention_lowered": 2, "shared_step_metadata": 1},
                    "simplify-layout": {"rope_3d": 4, "transpose_pair": 4, "reshape_chain": 4}}
-COMPOSED_PASSES = [p for p in ALL_PASSES if p not in ("cpu-kernels", "packed-matmul")]
+DEFAULT_PASSES = [p.name for p in pipeline(BuildOptions())]
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +51,38 @@ def _clone(model):
     return ir.from_proto(ir.to_proto(model))
 
 
+def _passes(*names: str):
+    every = {p.name: p for phase in phases(BuildOptions(block_size=4, lossless_weights=True)) for p in phase.passes}
+    return [every[n] for n in names]
+
+
+def test_the_pipeline_is_one_phased_list_built_from_the_options():
+    assert [(ph.name, [p.name for p in ph.passes]) for ph in phases(BuildOptions())] == [
+        ("canonicalize", ["cleanup", "native-gqa"]),
+        ("fuse", ["merge-matmuls"]),
+        ("rewrite KV I/O", ["paged-kv-cache", "last-token-logits"]),
+        ("backend kernels", ["ort-fusions", "cpu-kernels"]),
+        ("lower", ["ort-lower"]),
+        ("layout", ["simplify-layout"]),
+        ("weights", ["packed-matmul"]),
+    ]
+    names = [p.name for p in pipeline(BuildOptions(last_token_logits=False, lossless_weights=True,
+                                                   disable_passes=("cleanup",)))]
+    assert names == [n for n in DEFAULT_PASSES if n not in ("cleanup", "last-token-logits")] + ["lossless-weights"]
+    with pytest.raises(LlmcError, match="unknown pass 'nope'"):
+        pipeline(BuildOptions(disable_passes=("nope",)))
+    with pytest.raises(LlmcError, match="cannot be disabled"):
+        pipeline(BuildOptions(disable_passes=("ort-lower",)))
+
+
 @pytest.mark.parametrize("passes,expected", [
-    pytest.param(list(ALL_PASSES), KERNEL_COUNTS, marks=needs_kernels, id="kernels"),
-    pytest.param(COMPOSED_PASSES, COMPOSED_COUNTS, id="standard-ops"),
+    pytest.param(DEFAULT_PASSES, KERNEL_COUNTS, marks=needs_kernels, id="kernels"),
+    pytest.param([p for p in DEFAULT_PASSES if p not in ("cpu-kernels", "packed-matmul")], COMPOSED_COUNTS,
+                 id="standard-ops"),
 ])
 def test_every_pass_verifies_on_tiny_llama(exported, passes, expected):
     model, spec = _clone(exported[0]), exported[1]
-    records = PassManager(make_passes(passes), verifier=verifier).run(model, BuildContext(spec, block_size=4))
+    records = PassManager(_passes(*passes), verifier=verifier(spec, 4)).run(model, spec)
     assert [r.name for r in records] == passes
     for r in records:
         assert r.changed == (r.name in expected or r.name == "cleanup"), r.name
@@ -62,64 +90,70 @@ def test_every_pass_verifies_on_tiny_llama(exported, passes, expected):
             assert r.max_abs_diff is not None and r.max_abs_diff <= ATOL, (r.name, r.max_abs_diff)
         assert r.counts == expected.get(r.name, r.counts), (r.name, r.counts)
     # The exporter's repeat_kv chain (Unsqueeze -> Expand -> Reshape) is gone.
-    assert not any(n.op_type == "Reshape" and n.inputs[0].producer() is not None
-                   and n.inputs[0].producer().op_type == "Expand"
-                   and n.inputs[0].producer().inputs[0].producer() is not None
-                   and n.inputs[0].producer().inputs[0].producer().op_type == "Unsqueeze"
-                   for n in model.graph)
+    def kind(value):
+        return value.producer().op_type if value is not None and value.producer() is not None else None
+
+    assert not any(n.op_type == "Reshape" and kind(n.inputs[0]) == "Expand"
+                   and kind(n.inputs[0].producer().inputs[0]) == "Unsqueeze" for n in model.graph)
     assert not any(n.domain == "llmc" for n in model.graph)  # lowered for ORT
-    assert any(n.domain == kernels.DOMAIN for n in model.graph) == ("cpu-kernels" in passes)
+    assert any(n.domain == cpu.DOMAIN for n in model.graph) == ("cpu-kernels" in passes)
 
 
 def test_paged_rewrite_explains_a_miss_when_kv_is_still_expanded(exported):
     model, spec = _clone(exported[0]), exported[1]
-    ctx = BuildContext(spec, block_size=4)
-    result = make_passes(["paged-kv-cache"])[0].run(model, ctx)
+    result = _passes("paged-kv-cache")[0].run(model, spec)
     assert not result.changed
     assert len(result.misses) == spec.num_layers
     assert all("run native-gqa first" in m for m in result.misses)
-    assert "block_tables" not in {v.name for v in model.graph.inputs}  # interface untouched
+    assert [v.name for v in model.graph.inputs] == ["input_ids", "position_ids"]  # interface untouched
+
+
+def test_a_precondition_that_does_not_hold_changes_nothing_and_says_why(exported):
+    model, spec = _clone(exported[0]), exported[1]
+    before = len(list(model.graph))
+    result = _passes("last-token-logits")[0].run(model, spec)
+    assert not result.changed and result.misses == ["the graph has no query_lens input; run paged-kv-cache first"]
+    assert len(list(model.graph)) == before
 
 
 def test_verifier_catches_a_wrong_rewrite(exported):
     """The verifier is only worth something if it fails on a broken pass."""
     model, spec = _clone(exported[0]), exported[1]
-    ctx = BuildContext(spec, block_size=4)
     before = _clone(model)
     attention = next(n for n in model.graph if n.op_type == "Attention")
     attention.attributes["scale"] = type(attention.attributes["scale"])("scale", attention.attributes["scale"].type, 0.5)
     with pytest.raises(PassVerificationError):
-        compare(before, model, ctx)
+        compare(before, model, spec, 4)
 
 
 def test_build_report_lists_each_pass_with_counts(llama_engine):
+    import json
+
     report = json.loads((llama_engine / "build_report.json").read_text())
-    names = [p["name"] for p in report["passes"]]
-    assert names == list(ALL_PASSES)
-    expected = KERNEL_COUNTS if kernels.library_path() is not None else COMPOSED_COUNTS
-    for p in report["passes"]:
+    passes = {p["name"]: p for p in report["passes"]}
+    assert list(passes) == DEFAULT_PASSES
+    expected = KERNEL_COUNTS if cpu.library_path() is not None else COMPOSED_COUNTS
+    for name, p in passes.items():
         if p["changed"]:
             assert p["max_abs_diff"] is not None and p["max_abs_diff"] <= ATOL
-        assert p["counts"] == expected.get(p["name"], p["counts"]), p["name"]
+        assert p["counts"] == expected.get(name, p["counts"]), name
     md = (llama_engine / "build_report.md").read_text()
-    for name in ALL_PASSES:
+    for name in DEFAULT_PASSES:
         assert f"| {name} |" in md
     assert "paged_attention=2" in md
-    manifest = json.loads((llama_engine / "manifest.json").read_text())
-    assert [p["name"] for p in manifest["passes"]] == list(ALL_PASSES)
+    assert [p.name for p in open_engine(llama_engine).manifest.passes] == DEFAULT_PASSES
 
 
 def test_disabling_an_optional_pass(tmp_path):
-    from llmc.compiler.pipeline import BuildOptions, build
-
-    out = build("tiny-llama", tmp_path / "e", BuildOptions(block_size=4, disable_passes=("last-token-logits",),
-                                                           max_context=64)).engine_dir
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert "last-token-logits" not in [p["name"] for p in manifest["passes"]]
-    assert manifest["io"]["logits"] == "all"
+    from llmc.compiler.build import build
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling import SamplingParams
 
+    out = build("tiny-llama", tmp_path / "e", BuildOptions(block_size=4, disable_passes=("last-token-logits",),
+                                                           max_context=64)).engine_dir
+    manifest = open_engine(out).manifest
+    assert "last-token-logits" not in [p.name for p in manifest.passes]
+    assert manifest.io.logits == "all"
     # An all-positions engine still serves generate(): the runtime picks each row's last token.
     out_tokens = LLM(out).generate("hello there", SamplingParams(max_tokens=5, ignore_eos=True)).token_ids
     assert len(out_tokens) == 5
@@ -128,17 +162,14 @@ def test_disabling_an_optional_pass(tmp_path):
 @needs_kernels
 def test_attention_kernel_takes_every_layer_or_none(exported):
     """The kernel's pools are head-major and an engine has one layout: one layer the kernel
-    cannot take keeps every layer on the standard op (token-major), and the miss says why."""
+    cannot take keeps every layer on the standard op (token-major), and the misses say why."""
     import onnx_ir as ir
 
-    from llmc import kv_layout
-
-    before = [p for p in ALL_PASSES if p not in ("cpu-kernels", "ort-lower", "simplify-layout", "packed-matmul")]
     model, spec = _clone(exported[0]), exported[1]
-    ctx = BuildContext(spec, block_size=4)
-    PassManager(make_passes(before)).run(model, ctx)
+    PassManager(_passes("cleanup", "native-gqa", "merge-matmuls", "paged-kv-cache", "last-token-logits",
+                        "ort-fusions")).run(model, spec)
     taken = _clone(model)
-    make_passes(["cpu-kernels"])[0].run(taken, ctx)
+    _passes("cpu-kernels")[0].run(taken, spec)
     assert kv_layout.of_model(taken) == kv_layout.HEAD_MAJOR
     pools = [v for v in [*taken.graph.inputs, *taken.graph.outputs] if v.name.startswith("kv_cache")]
     assert len(pools) == 2 * spec.num_layers
@@ -146,8 +177,9 @@ def test_attention_kernel_takes_every_layer_or_none(exported):
 
     rope = next(n for n in model.graph if n.op_type == "RotaryEmbedding")  # one layer's Q or K
     rope.attributes["interleaved"] = ir.AttrInt64("interleaved", 1)
-    result = make_passes(["cpu-kernels"])[0].run(model, ctx)
-    assert result.counts.get("paged_attention") is None
+    result = _passes("cpu-kernels")[0].run(model, spec)
+    assert "paged_attention_kernel" not in result.counts
     assert kv_layout.of_model(model) == kv_layout.TOKEN_MAJOR
-    assert sum("all layers share one pool layout" in m for m in result.misses) == spec.num_layers - 1
-    assert not any(n.op_type == "PagedAttention" and n.domain == kernels.DOMAIN for n in model.graph)
+    refused = [m for m in result.misses if "every one or none is rewritten" in m]
+    assert len(refused) == 1 and "attributes differ" in refused[0]
+    assert not any(n.op_type == "PagedAttention" and n.domain == cpu.DOMAIN for n in model.graph)

@@ -9,13 +9,14 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from llmc.artifact import load_manifest
-from llmc.bench.measure import build_command, make_space
+from llmc.bench.measure import build_command, make_space, variant_options
 from llmc.bench.tuner import OBJECTIVES, Knob, SearchSpace, Tuner, get_objective, parse_budget
 from llmc.cli import main
+from llmc.contract import open_engine
+from llmc.contract.options import BuildOptions, RuntimeOptions
+from llmc.contract.tuning import TUNING_FILE, read_tuning, write_tuning
 from llmc.errors import EngineError, LlmcError
 from llmc.runtime.llm import LLM
-from llmc.runtime.tuning import TUNING_FILE, load_tuning, merge_tuning, write_tuning
 
 SPACE = SearchSpace(
     [Knob("num_threads", (1, 2)), Knob("max_num_seqs", (4, 8, 16, 32)),
@@ -194,10 +195,9 @@ def test_objective_and_budget_errors():
 
 
 def test_build_knobs_come_from_the_manifest(llama_engine):
-    manifest = load_manifest(llama_engine)
-    defaults = {"num_threads": 2, "max_num_seqs": 16, "max_num_batched_tokens": 512, "chunk_size": 256,
-                "allow_spinning": True, "graph_optimization_level": "all"}
-    space = make_space(defaults, manifest, max_in_flight=12)
+    manifest = open_engine(llama_engine).manifest
+    defaults = RuntimeOptions(num_threads=2)
+    space = make_space(defaults, manifest.build_options, max_in_flight=12)
     kinds = {k.name: k.kind for k in space.knobs}
     # Limits above what the workload can have in flight behave alike: only the default stays.
     assert next(k for k in space.knobs if k.name == "max_num_seqs").values == (4, 8, 16)
@@ -213,6 +213,9 @@ def test_build_knobs_come_from_the_manifest(llama_engine):
     assert "lossless-weights" not in next(k for k in space.knobs if k.name == "disable_passes").values
     assert "--lossless-weights" not in cmd
     assert "--lossless-weights" in build_command(manifest, llama_engine, {**space.default, "lossless_weights": True})
+    # A variant is the engine's own build options with the knobs changed, built again.
+    variant = variant_options(manifest.build_options, {**space.default, "block_size": 8, "disable_passes": "a+b"})
+    assert variant == BuildOptions(block_size=8, max_context=256, disable_passes=("a", "b"), verify=True)
 
 
 # -- tuning.json --------------------------------------------------------------------------------
@@ -227,30 +230,40 @@ def engine_copy(llama_engine, tmp_path):
 def test_tuning_json_is_applied_and_explicit_options_win(engine_copy):
     write_tuning(engine_copy, {"max_num_seqs": 3, "num_threads": 1, "graph_optimization_level": "basic"},
                  objective="max-throughput")
-    load_manifest(engine_copy)  # an extra file does not break checksum verification
+    open_engine(engine_copy)  # an extra file does not break checksum verification
     llm = LLM(engine_copy)
-    assert llm.scheduler.config.max_num_seqs == 3 and llm.engine.num_threads == 1
-    assert llm.engine.graph_optimization_level == "basic"
+    assert llm.options.max_num_seqs == 3 and llm.engine.num_threads == 1
+    assert llm.options.graph_optimization_level == "basic"
     assert llm.tuning == {"max_num_seqs": 3, "num_threads": 1, "graph_optimization_level": "basic"}
     llm = LLM(engine_copy, max_num_seqs=5)
-    assert llm.scheduler.config.max_num_seqs == 5 and llm.tuning == {"num_threads": 1,
-                                                                     "graph_optimization_level": "basic"}
+    assert llm.options.max_num_seqs == 5 and llm.tuning == {"num_threads": 1, "graph_optimization_level": "basic"}
     llm = LLM(engine_copy, use_tuning=False)
-    assert llm.scheduler.config.max_num_seqs == 16 and llm.tuning is None
+    assert llm.options.max_num_seqs == 16 and llm.tuning is None
     assert LLM(engine_copy).generate("hi", None).finish_reason in ("stop", "length")
 
 
-def test_merge_tuning():
-    assert merge_tuning({"max_num_seqs": None, "chunk_size": 64}, {"max_num_seqs": 8, "chunk_size": 128}) == (
-        {"max_num_seqs": 8, "chunk_size": 64}, {"max_num_seqs": 8})
-    assert merge_tuning({"max_num_seqs": None}, None) == ({}, {})
+def test_runtime_options_merge_and_round_trip_through_tuning_json(engine_copy):
+    options, applied = RuntimeOptions.merge({"max_num_seqs": None, "chunk_size": 64},
+                                            {"max_num_seqs": 8, "chunk_size": 128})
+    assert (options.max_num_seqs, options.chunk_size, applied) == (8, 64, {"max_num_seqs": 8})
+    assert RuntimeOptions.merge({"max_num_seqs": None}, None) == (RuntimeOptions(), {})
+    tuned = RuntimeOptions(max_num_seqs=4, chunk_size=64, num_threads=1, allow_spinning=False)
+    write_tuning(engine_copy, tuned.tunable())
+    assert read_tuning(engine_copy / TUNING_FILE) == tuned.tunable()
+    assert LLM(engine_copy).options == tuned
+    with pytest.raises(LlmcError, match="unknown option 'turbo'; options are: max_num_seqs"):
+        RuntimeOptions.given({"turbo": 1})
+    with pytest.raises(LlmcError, match=r"chunk_size \(600\) must be <= max_num_batched_tokens \(512\)"):
+        RuntimeOptions(chunk_size=600)
+    with pytest.raises(ValueError, match="not tunable"):
+        write_tuning(engine_copy, {"kv_cache_blocks": 8})
 
 
 @pytest.mark.parametrize("content,expected", [
     ("{oops", "Expecting property name"),
     ("[1, 2]", "expected a JSON object"),
     ('{"schema_version": 1}', "options is missing"),
-    ('{"schema_version": 1, "options": {"turbo": true}}', "unknown option 'turbo'"),
+    ('{"schema_version": 1, "options": {"turbo": true}}', "option 'turbo' is not tunable"),
     ('{"schema_version": 1, "options": {"max_num_seqs": 0}}', "max_num_seqs must be an integer >= 1"),
     ('{"schema_version": 1, "options": {"graph_optimization_level": "max"}}', "graph_optimization_level must be"),
     ('{"schema_version": 9, "options": {}}', "schema_version 9"),
@@ -258,7 +271,7 @@ def test_merge_tuning():
 def test_corrupt_tuning_json_names_the_file_and_the_fix(engine_copy, content, expected):
     (engine_copy / TUNING_FILE).write_text(content)
     with pytest.raises(EngineError, match=expected) as info:
-        load_tuning(engine_copy)
+        read_tuning(engine_copy / TUNING_FILE)
     message = str(info.value)
     assert "\n" not in message and str(engine_copy / TUNING_FILE) in message and "--no-tuning" in message
     LLM(engine_copy, use_tuning=False)  # ignoring it works
@@ -285,7 +298,7 @@ def test_tune_writes_tuning_json_that_run_then_applies(engine_copy, tmp_path):
     state = json.loads((out / "tune_state.json").read_text())
     assert all(0 <= s["other_cpu"] <= 1 for t in state["trials"] for s in t["summaries"])
     assert (out / "tuning.png").read_bytes().startswith(b"\x89PNG") and (out / "tune_state.json").is_file()
-    load_manifest(engine_copy)
+    open_engine(engine_copy)
 
     result, text = _cli("run", engine_copy, "Hello", "--max-tokens", 3)
     assert result.exit_code == 0, text

@@ -62,11 +62,8 @@ def _console():
 
 
 def _engine_info(label: str, path: Path, llm) -> dict[str, Any]:
-    from llmc.runtime.tuning import effective_options
-
-    source = (llm.engine.manifest.get("source") or {}).get("model", "unknown source")
-    return {"label": label, "path": str(path), "source": source, "options": effective_options(llm),
-            "tuning": llm.tuning}
+    return {"label": label, "path": str(path), "source": llm.engine.manifest.source.model,
+            "options": llm.options.tunable(), "tuning": llm.tuning}
 
 
 def _labels(paths: list[Path]) -> list[str]:
@@ -78,8 +75,8 @@ def bench(engines: list[Path], args: WorkloadArgs, output: Path | None, plots: b
           use_tuning: bool) -> Path:
     from llmc.bench.report import build_report, print_table, render_markdown, write_json
     from llmc.bench.runner import benchmark
+    from llmc.contract.tuning import tuning_line
     from llmc.runtime.llm import LLM
-    from llmc.runtime.tuning import tuning_line
 
     if len(engines) > 2:
         raise LlmcError(f"llmc bench compares at most two engines (got {len(engines)})")
@@ -138,8 +135,10 @@ def tune(engine: Path, args: WorkloadArgs, output: Path | None, plots: bool, obj
     from llmc.bench.report import config_changes, other_cpu, render_tuning_markdown
     from llmc.bench.runner import BUSY_MACHINE
     from llmc.bench.tuner import Tuner, get_objective, parse_budget
+    from llmc.contract import MANIFEST
+    from llmc.contract.options import RuntimeOptions, format_options
+    from llmc.contract.tuning import write_tuning
     from llmc.runtime.llm import LLM
-    from llmc.runtime.tuning import TUNABLE_OPTIONS, effective_options, format_options, write_tuning
 
     workload, rates, slo = args.parse()
     objective = get_objective(objective_name, slo)
@@ -155,10 +154,10 @@ def tune(engine: Path, args: WorkloadArgs, output: Path | None, plots: bool, obj
     with console.status(f"loading {engine}"):
         llm = LLM(engine, use_tuning=False)  # the untuned defaults are the baseline
         workload.check_fits(llm.max_context)
-        defaults, manifest = effective_options(llm), llm.engine.manifest
+        defaults, manifest = llm.options, llm.engine.manifest
         del llm
     max_in_flight = min(workload.num_requests, args.max_concurrency or workload.num_requests)
-    space = make_space(defaults, manifest if build_knobs else None, max_in_flight)
+    space = make_space(defaults, manifest.build_options if build_knobs else None, max_in_flight)
     output = _output_dir(output or Path(f"tune-{engine.resolve().name}"))
     state = output / "tune_state.json"
     if fresh:
@@ -166,7 +165,7 @@ def tune(engine: Path, args: WorkloadArgs, output: Path | None, plots: bool, obj
         shutil.rmtree(output / "engines", ignore_errors=True)
     described = {**args.describe(workload), "qps": qps_label(rate)}
     fingerprint = {
-        "engine": hashlib.sha256((engine / "manifest.json").read_bytes()).hexdigest(),
+        "engine": hashlib.sha256((engine / MANIFEST).read_bytes()).hexdigest(),
         "workload": described, "slo": slo, "build_knobs": build_knobs,
     }
 
@@ -199,7 +198,7 @@ def tune(engine: Path, args: WorkloadArgs, output: Path | None, plots: bool, obj
     if result.default is None or result.default.failed:
         raise LlmcError(f"the default configuration failed on this workload ({result.default.error}); "
                         "check the engine with `llmc run`")
-    winner_options = {k: v for k, v in result.winner.config.items() if k in TUNABLE_OPTIONS}
+    winner_options = {k: v for k, v in result.winner.config.items() if k in RuntimeOptions.tunable_names()}
     path = write_tuning(engine, winner_options, objective=objective.name, workload=described,
                         slo=format_slo(slo) or None,
                         measured={"default": result.default.score, "winner": result.winner.score,

@@ -7,6 +7,7 @@ engine itself; they are searched only on request, by building variants into the 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 from pathlib import Path
@@ -15,9 +16,11 @@ from typing import Any
 from llmc.bench.runner import OtherCpu, RunResult, engine_vocab, run_requests, warm_up
 from llmc.bench.tuner import Config, Knob, SearchSpace
 from llmc.bench.workloads import Workload
+from llmc.contract import MANIFEST
+from llmc.contract.manifest import Manifest
+from llmc.contract.options import BuildOptions, RuntimeOptions
 from llmc.errors import LlmcError
 from llmc.runtime.llm import LLM
-from llmc.runtime.tuning import TUNABLE_OPTIONS
 
 NO_PASSES = "none"  # the disable_passes value for "nothing disabled"
 
@@ -26,62 +29,72 @@ def _around(default: int, candidates: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted({default, *candidates}))
 
 
-def runtime_space(defaults: dict[str, Any], max_in_flight: int) -> list[Knob]:
+def runtime_space(defaults: RuntimeOptions, max_in_flight: int) -> list[Knob]:
     """Runtime knobs, most influential first (the search varies them in this order).
 
     `max_in_flight` is the most requests the workload can have in flight: a max_num_seqs above it
     behaves exactly like one at it, so measuring it could only let noise pick it."""
     cores = os.cpu_count() or 1
-    threads = {1, cores, defaults["num_threads"]} | {n for n in (2, 4, 8, 16) if n <= cores}
+    threads = {1, cores, defaults.num_threads} | {n for n in (2, 4, 8, 16) if n <= cores}
     seqs = [n for n in (4, 8, 16, 32) if n <= max_in_flight] or [max_in_flight]
     return [
         Knob("num_threads", tuple(sorted(threads))),
-        Knob("max_num_seqs", _around(defaults["max_num_seqs"], tuple(seqs))),
-        Knob("max_num_batched_tokens", _around(defaults["max_num_batched_tokens"], (256, 512, 1024))),
-        Knob("chunk_size", _around(defaults["chunk_size"], (64, 128, 256, 512))),
+        Knob("max_num_seqs", _around(defaults.max_num_seqs, tuple(seqs))),
+        Knob("max_num_batched_tokens", _around(defaults.max_num_batched_tokens, (256, 512, 1024))),
+        Knob("chunk_size", _around(defaults.chunk_size, (64, 128, 256, 512))),
         Knob("allow_spinning", (True, False)),
         Knob("graph_optimization_level", tuple(dict.fromkeys(("basic", "extended", "all",
-                                                              defaults["graph_optimization_level"])))),
+                                                              defaults.graph_optimization_level)))),
     ]
 
 
-def build_space(manifest: dict[str, Any]) -> tuple[list[Knob], Config]:
-    """Build knobs and the engine's own values of them (from its manifest)."""
-    from llmc.passes import OPTIONAL_PASSES
-
-    options = manifest.get("build_options") or {}
-    block_size = int(manifest["kv_cache"]["block_size"])
-    disabled = "+".join(options.get("disabled_passes") or []) or NO_PASSES
-    lossless = bool(options.get("lossless_weights", False))
-    knobs = [Knob("block_size", _around(block_size, (8, 16, 32)), "build"),
-             Knob("disable_passes", tuple(dict.fromkeys([disabled, NO_PASSES, *OPTIONAL_PASSES])), "build"),
-             Knob("lossless_weights", (lossless, not lossless), "build")]
-    return knobs, {"block_size": block_size, "disable_passes": disabled, "lossless_weights": lossless}
+# The build options the tuner searches with --build-knobs (disable_passes as one "+"-joined knob value).
+BUILD_KNOBS = ("block_size", "disable_passes", "lossless_weights")
 
 
-def make_space(defaults: dict[str, Any], manifest: dict[str, Any] | None, max_in_flight: int) -> SearchSpace:
+def _knob_value(options: BuildOptions, name: str) -> Any:
+    value = getattr(options, name)
+    return ("+".join(value) or NO_PASSES) if name == "disable_passes" else value
+
+
+def build_space(options: BuildOptions) -> tuple[list[Knob], Config]:
+    """Build knobs and the engine's own values of them (its manifest's build options)."""
+    from llmc.passes.pipeline import optional_passes
+
+    default = {name: _knob_value(options, name) for name in BUILD_KNOBS}
+    knobs = [Knob("block_size", _around(options.block_size, (8, 16, 32)), "build"),
+             Knob("disable_passes", tuple(dict.fromkeys([default["disable_passes"], NO_PASSES, *optional_passes()])),
+                  "build"),
+             Knob("lossless_weights", (options.lossless_weights, not options.lossless_weights), "build")]
+    return knobs, default
+
+
+def variant_options(options: BuildOptions, config: Config) -> BuildOptions:
+    """The engine's build options with a configuration's build knobs."""
+    passes = config["disable_passes"]
+    return dataclasses.replace(options, block_size=config["block_size"], lossless_weights=config["lossless_weights"],
+                               disable_passes=() if passes == NO_PASSES else tuple(passes.split("+")))
+
+
+def make_space(defaults: RuntimeOptions, build: BuildOptions | None, max_in_flight: int) -> SearchSpace:
     knobs = runtime_space(defaults, max_in_flight)
-    default = {k.name: defaults[k.name] for k in knobs}
-    if manifest is not None:
-        build_knobs, build_default = build_space(manifest)
+    default = {k.name: getattr(defaults, k.name) for k in knobs}
+    if build is not None:
+        build_knobs, build_default = build_space(build)
         knobs += build_knobs
         default.update(build_default)
     return SearchSpace(knobs, default)
 
 
-def build_command(manifest: dict[str, Any], engine: Path, config: Config) -> str:
+def build_command(manifest: Manifest, engine: Path, config: Config) -> str:
     """The `llmc build` line that rebuilds `engine` with a configuration's build knobs."""
-    source = (manifest.get("source") or {}).get("model", "MODEL")
-    options = manifest.get("build_options") or {}
-    parts = ["llmc build", source, "-o", str(engine), "--overwrite", "--block-size", str(config["block_size"])]
-    if options.get("max_context"):
-        parts += ["--max-context", str(options["max_context"])]
-    if config["disable_passes"] != NO_PASSES:
-        for name in config["disable_passes"].split("+"):
-            parts += ["--disable-pass", name]
-    if options.get("last_token_logits") is False:
+    options = variant_options(manifest.build_options, config)
+    parts = ["llmc build", manifest.source.model, "-o", str(engine), "--overwrite", "--block-size",
+             str(options.block_size), "--max-context", str(options.max_context)]
+    parts += [flag for name in options.disable_passes for flag in ("--disable-pass", name)]
+    if not options.last_token_logits:
         parts.append("--all-logits")
-    if config.get("lossless_weights"):
+    if options.lossless_weights:
         parts.append("--lossless-weights")
     return " ".join(parts)
 
@@ -89,7 +102,7 @@ def build_command(manifest: dict[str, Any], engine: Path, config: Config) -> str
 class WorkloadCost:
     """cost(config) -> one run summary per repeat, measured on the real engine."""
 
-    def __init__(self, engine: Path, manifest: dict[str, Any], workload: Workload, rate: float, repeats: int,
+    def __init__(self, engine: Path, manifest: Manifest, workload: Workload, rate: float, repeats: int,
                  max_concurrency: int | None, warmup: int, slo: dict[str, float], workspace: Path,
                  space: SearchSpace, on_progress=None):
         self.engine, self.manifest, self.workload, self.rate = engine, manifest, workload, rate
@@ -100,28 +113,20 @@ class WorkloadCost:
         build = {k.name: config[k.name] for k in self.space.knobs if k.kind == "build"}
         if all(self.space.default[name] == value for name, value in build.items()):
             return self.engine
-        from llmc.artifact import MANIFEST
-        from llmc.compiler.pipeline import BuildOptions, build as run_build
+        from llmc.compiler.build import build as run_build
 
         variant = self.workspace / "engines" / (f"bs{build['block_size']}-{build['disable_passes']}"
                                                  + ("-lossless" if build["lossless_weights"] else ""))
         if not (variant / MANIFEST).is_file():  # built by an earlier, interrupted session: reuse
-            options = self.manifest.get("build_options") or {}
-            disabled = () if build["disable_passes"] == NO_PASSES else tuple(build["disable_passes"].split("+"))
             if self.on_progress:
                 self.on_progress(f"building {variant.name}")
-            source = (self.manifest.get("source") or {}).get("model")
-            if not source:
-                raise LlmcError(f"engine {self.engine} does not record its source model; cannot rebuild variants")
-            run_build(source, variant, BuildOptions(
-                block_size=build["block_size"], max_context=options.get("max_context"), disable_passes=disabled,
-                overwrite=True, last_token_logits=options.get("last_token_logits", True),
-                lossless_weights=build["lossless_weights"]))
+            run_build(self.manifest.source.model, variant, variant_options(self.manifest.build_options, config),
+                      overwrite=True)
         return variant
 
     def __call__(self, config: Config) -> list[dict[str, Any]]:
         engine = self._engine_for(config)
-        runtime = {k: v for k, v in config.items() if k in TUNABLE_OPTIONS}
+        runtime = {k: v for k, v in config.items() if k in RuntimeOptions.tunable_names()}
         # Checksums were verified when the tune started (variants are this tuner's own builds):
         # re-hashing the weights for every trial would only add to its time.
         llm = LLM(engine, use_tuning=False, verify_checksums=False, **runtime)

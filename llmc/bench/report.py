@@ -15,7 +15,7 @@ from llmc import __version__
 from llmc.bench.runner import BUSY_MACHINE, RunResult, merged_summary
 from llmc.bench.slo import format_slo
 from llmc.bench.workloads import MAX_QPS, qps_label
-from llmc.runtime.tuning import TUNABLE_OPTIONS, format_options
+from llmc.contract.options import RuntimeOptions, format_options
 
 REPORT_SCHEMA_VERSION = 1
 # (summary key, column title) of the latency columns the table shows, in ms.
@@ -215,7 +215,7 @@ def render_tuning_markdown(result, objective, workload: dict[str, Any], engine: 
     if recommendation:
         lines += ["", recommendation]
     if result.winner is not None:
-        runtime = {k: v for k, v in result.winner.config.items() if k in TUNABLE_OPTIONS}
+        runtime = {k: v for k, v in result.winner.config.items() if k in RuntimeOptions.tunable_names()}
         lines += ["", f"tuning.json: `{format_options(runtime)}`"
                       + (" (the default values: nothing beat them beyond noise)" if result.winner is default else "")]
     busy = [i for i, t in enumerate(result.trials, 1) if (other_cpu(t) or 0) > BUSY_MACHINE]

@@ -1,8 +1,9 @@
 """torch.export -> ONNX (opset 23): the canonical graph the passes start from.
 
-The canonical graph is the model without any cache: `input_ids [B,S]`, `position_ids [B,S]`
--> `logits [B,S,V]`. At opset 23 the exporter's optimizer already emits RMSNormalization,
-RotaryEmbedding and Attention; KV-cache I/O is added later by a pass, not by the exporter.
+The canonical graph is the model without any cache: the token ids and their positions [B,S] in
+(llmc.contract.graph_io.TOKEN_INPUTS), logits [B,S,V] out. At opset 23 the exporter's optimizer
+already emits RMSNormalization, RotaryEmbedding and Attention; KV-cache I/O is added later by a
+pass, not by the exporter.
 """
 
 from __future__ import annotations
@@ -12,14 +13,13 @@ import io
 import logging
 import warnings
 
+from llmc.contract import graph_io
+from llmc.contract.model_spec import ModelSpec
 from llmc.errors import ModelError, first_line
-from llmc.spec import ModelSpec
 
 OPSET = 23
 # ORT 1.31 reads IR <= 13 while onnx 1.23 writes 14 by default; opset 23 needs IR 11.
 IR_VERSION = 11
-INPUT_NAMES = ("input_ids", "position_ids")
-OUTPUT_NAME = "logits"
 
 
 def export_onnx(hf_model, spec: ModelSpec):
@@ -48,9 +48,9 @@ def export_onnx(hf_model, spec: ModelSpec):
                 (input_ids, position_ids),
                 dynamo=True,
                 opset_version=OPSET,
-                input_names=list(INPUT_NAMES),
-                output_names=[OUTPUT_NAME],
-                dynamic_shapes={"input_ids": dims, "position_ids": dims},
+                input_names=list(graph_io.TOKEN_INPUTS),
+                output_names=[graph_io.LOGITS],
+                dynamic_shapes={name: dims for name in graph_io.TOKEN_INPUTS},
                 verbose=False,
                 optimize=True,
             )

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llmc.errors import ModelError, first_line
-from llmc.spec import ModelSpec
+from llmc.contract.model_spec import ModelSpec
 
 # HF architecture class -> family. Llama, Mistral, Qwen2 and Phi-3 share one structure
 # (pre-norm decoder, RMSNorm, RoPE, SwiGLU, GQA), so they share one code path.
@@ -108,7 +108,6 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         activation=config.get("hidden_act", "silu"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        dtype="float32",
         rope_scaling=rope_scaling,
         sliding_window=int(window) if window else None,
         bos_token_id=config.get("bos_token_id"),

@@ -1,27 +1,21 @@
-"""Cleanup: constant folding, common subexpressions, duplicate initializers, dead nodes."""
+"""cleanup: constant folding, common subexpressions, duplicate initializers, dead nodes."""
 
 from __future__ import annotations
 
 import onnx_ir as ir
 from onnx_ir.passes import common as ir_passes
 
-from llmc.passes.base import BuildContext, Pass, PassResult, count_nodes
-
-
-def remove_dead_code(model: ir.Model) -> int:
-    """Drop nodes nothing reads and graph inputs nothing uses except the contract's; returns
-    how many nodes went."""
-    before = count_nodes(model)
-    ir_passes.RemoveUnusedNodesPass()(model)
-    ir_passes.RemoveUnusedOpsetsPass()(model)
-    return before - count_nodes(model)
+from llmc.contract.model_spec import ModelSpec
+from llmc.passes.graph import count_nodes
+from llmc.passes.manager import Pass, PassResult
+from llmc.passes.rewrite import remove_dead_code
 
 
 class Cleanup(Pass):
     name = "cleanup"
     description = "fold constants, merge common subexpressions and duplicate weights, drop dead nodes"
 
-    def run(self, model: ir.Model, ctx: BuildContext) -> PassResult:
+    def apply(self, model: ir.Model, spec: ModelSpec) -> PassResult:
         import onnxscript.optimizer
 
         nodes = count_nodes(model)

@@ -1,11 +1,12 @@
-"""ONNX Runtime lowering of `llmc::PagedAttention`.
+"""ort-lower: `llmc::PagedAttention` composed from ONNX Runtime's CPU ops, where llmc's own
+kernels did not take it (cpu-kernels).
 
 The op's body is already written in ops ORT runs on CPU (ScatterND write, GatherND paged read,
 Attention with a causal/window mask; see plugins/paged_attention.py). Lowering composes the same
 two emitters differently from the op's function: the step metadata (write slots, read indices,
-mask) is built once per step from the graph inputs, and each layer emits only its own write,
-read and attention. In-place cache updates come from the runtime binding `kv_cache_out.{i}` to
-the same OrtValue as `kv_cache.{i}`; the manifest records that aliasing.
+mask) is built once per step, by the first layer's rewrite, and every layer emits only its own
+write, read and attention. In-place cache updates come from the runtime binding each layer's cache
+output to the same buffer as its input.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import common as ir_passes
 
-from llmc.ir_builder import OpBuilder
-from llmc.passes.base import BuildContext, Pass, PassResult, graph_input, take_graph_output
-from llmc.passes.paged_kv import BLOCK_TABLES, PAST_LENS, QUERY_LENS
+from llmc.contract import graph_io as io
+from llmc.contract.model_spec import ModelSpec
+from llmc.passes.rewrite import Rule, RulePass
 from llmc.plugins import paged_attention as pa
 
 
@@ -23,49 +24,49 @@ def _attr(node: ir.Node, name: str):
     return node.attributes[name].value
 
 
-class LowerPagedAttentionORT(Pass):
+class LowerPagedAttention(Rule):
+    name = "paged_attention_lowered"
+
+    def __init__(self, spec: ModelSpec, block_size: int):
+        self.spec, self.block_size = spec, block_size
+        self._metadata: dict[int, pa.StepMetadata] = {}  # per sliding window (usually one per model)
+
+    def pattern(self, op, q, k, v, cache):
+        return op.PagedAttention(q, k, v, cache, _other_inputs=True, _domain=pa.DOMAIN, _outputs=2, _name="node")
+
+    def rewrite(self, op, m):
+        node = m.node
+        window = int(_attr(node, "sliding_window"))
+        if window not in self._metadata:
+            self._metadata[window] = self._step_metadata(op, window)
+            op.count("shared_step_metadata")
+        return pa.emit_layer_attention(
+            op, m.q, m.k, m.v, m.cache, self._metadata[window], num_heads=int(_attr(node, "num_heads")),
+            num_kv_heads=int(_attr(node, "num_kv_heads")), scale=float(_attr(node, "scale")),
+            softcap=float(_attr(node, "softcap")))
+
+    def _step_metadata(self, op, window: int) -> pa.StepMetadata:
+        spec = self.spec
+        ids_shape = op.Shape(op.graph_input(io.INPUT_IDS))
+        batch = op.Slice(ids_shape, op.const([0]), op.const([1]))
+        seq = op.Slice(ids_shape, op.const([1]), op.const([2]))
+        return pa.emit_step_metadata(
+            op, op.graph_input(io.PAST_LENS), op.graph_input(io.QUERY_LENS), op.graph_input(io.BLOCK_TABLES),
+            batch, seq, op.const([self.block_size]), op.const(window), op.const([spec.num_heads]),
+            op.const([spec.num_kv_heads * spec.head_dim]))
+
+
+class LowerPagedAttentionORT(RulePass):
     name = "ort-lower"
     description = "lower llmc::PagedAttention to ONNX Runtime CPU ops, step metadata shared by all layers"
+    required = True
 
-    def run(self, model: ir.Model, ctx: BuildContext) -> PassResult:
-        graph = model.graph
-        nodes = [n for n in graph if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE]
-        if not nodes:  # none left to compose: llmc's CPU kernels took them all (cpu-kernels)
-            return PassResult(False, {})
+    def __init__(self, block_size: int):
+        self.block_size = block_size
 
-        meta_ops = OpBuilder(name_prefix="paged_meta_")
-        ids_shape = meta_ops.Shape(graph_input(graph, "input_ids"))
-        batch = meta_ops.Slice(ids_shape, meta_ops.const([0]), meta_ops.const([1]))
-        seq = meta_ops.Slice(ids_shape, meta_ops.const([1]), meta_ops.const([2]))
-        block_size = meta_ops.const([ctx.block_size])
-        kv_width = meta_ops.const([ctx.spec.num_kv_heads * ctx.spec.head_dim])
-        heads = meta_ops.const([ctx.spec.num_heads])
-        metas: dict[int, pa.StepMetadata] = {}
-        for node in nodes:  # one metadata set per distinct window (usually one for the model)
-            window = int(_attr(node, "sliding_window"))
-            if window not in metas:
-                metas[window] = pa.emit_step_metadata(
-                    meta_ops, graph_input(graph, PAST_LENS), graph_input(graph, QUERY_LENS),
-                    graph_input(graph, BLOCK_TABLES), batch, seq, block_size, meta_ops.const(window), heads,
-                    kv_width)
-        graph.insert_before(nodes[0], meta_ops.nodes)
+    def rules(self, spec: ModelSpec):
+        return [LowerPagedAttention(spec, self.block_size)]
 
-        for i, node in enumerate(nodes):
-            ops = OpBuilder(name_prefix=f"{node.name}_")
-            q, k, v, cache = node.inputs[:4]
-            output, cache_out = pa.emit_layer_attention(
-                ops, q, k, v, cache, metas[int(_attr(node, "sliding_window"))],
-                num_heads=int(_attr(node, "num_heads")), num_kv_heads=int(_attr(node, "num_kv_heads")),
-                scale=float(_attr(node, "scale")), softcap=float(_attr(node, "softcap")))
-            graph.insert_before(node, ops.nodes)
-            old_out, old_cache = node.outputs
-            output.type, output.shape = old_out.type, old_out.shape
-            ir.convenience.replace_all_uses_with(old_out, output)
-            # The ScatterND output itself must be the graph output: that is what ORT writes in place.
-            take_graph_output(graph, old_cache, cache_out)
-            graph.remove(node, safe=True)
-
-        ir_passes.RemoveUnusedNodesPass()(model)
+    def finish(self, model: ir.Model, spec: ModelSpec, counts) -> None:
         ir_passes.RemoveUnusedFunctionsPass()(model)
         model.opset_imports.pop(pa.DOMAIN, None)
-        return PassResult(True, {"paged_attention_lowered": len(nodes), "shared_step_metadata": len(metas)})

@@ -15,8 +15,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from llmc import kv_layout
-from llmc.passes.base import BuildContext
+from llmc.contract import graph_io as io
+from llmc.contract import kv_layout
+from llmc.contract.model_spec import ModelSpec
 
 ATOL = 1e-4
 
@@ -28,12 +29,12 @@ class PassVerificationError(AssertionError):
 def _session(model: ir.Model):
     import onnxruntime as ort
 
-    from llmc import kernels
+    from llmc.plugins import cpu
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    if kernels.uses_kernels(model.opset_imports):
-        kernels.register(opts)
+    if cpu.DOMAIN in model.opset_imports:
+        cpu.register(opts)
     return ort.InferenceSession(ir.to_proto(model).SerializeToString(), opts,
                                 providers=["CPUExecutionProvider"])
 
@@ -43,7 +44,7 @@ def _input_names(model: ir.Model) -> set[str]:
 
 
 def _is_paged(model: ir.Model) -> bool:
-    return "block_tables" in _input_names(model)
+    return io.BLOCK_TABLES in _input_names(model)
 
 
 def _run(sess, feeds: dict) -> dict[str, np.ndarray]:
@@ -61,22 +62,23 @@ def _last_valid(logits: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
 class _PagedScenario:
     """Feeds for a ragged prefill followed by decode steps over a shuffled block pool."""
 
-    def __init__(self, ctx: BuildContext, seed: int = 0):
-        spec = ctx.spec
+    def __init__(self, spec: ModelSpec, block_size: int, seed: int = 0):
         self.rng = np.random.default_rng(seed)
-        self.bs = ctx.block_size
+        self.bs = block_size
         self.prompt_lens = np.array([3 * self.bs + 2, self.bs + 1], dtype=np.int32)
         self.max_blocks = int(-(-(self.prompt_lens.max() + 4) // self.bs))
         num_blocks = 1 + 2 * self.max_blocks
-        perm = self.rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
+        usable = np.delete(np.arange(num_blocks), io.SCRATCH_BLOCK)
+        perm = self.rng.permutation(usable).astype(np.int32)
         self.tables = perm.reshape(2, self.max_blocks)
         self.pool_dims = (num_blocks, self.bs, spec.num_kv_heads, spec.head_dim)
         self.vocab = spec.vocab_size
         self.num_layers = spec.num_layers
+        self.caches = io.caches(spec.num_layers)
 
     def empty_caches(self, layout: str) -> dict[str, np.ndarray]:
         shape = kv_layout.pool_shape(layout, *self.pool_dims)
-        return {f"kv_cache.{i}": np.zeros(shape, np.float32) for i in range(self.num_layers)}
+        return {io.cache_input(i): np.zeros(shape, np.float32) for i in range(self.num_layers)}
 
     def steps(self):
         batch, seq = len(self.prompt_lens), int(self.prompt_lens.max())
@@ -92,15 +94,15 @@ class _PagedScenario:
     def _feeds(self, ids, past, qlens):
         seq = ids.shape[1]
         return {
-            "input_ids": ids.astype(np.int64),
-            "position_ids": (past[:, None] + np.arange(seq)[None, :]).astype(np.int64),
-            "past_lens": past.astype(np.int32),
-            "query_lens": qlens.astype(np.int32),
-            "block_tables": self.tables,
+            io.INPUT_IDS: ids.astype(np.int64),
+            io.POSITION_IDS: (past[:, None] + np.arange(seq)[None, :]).astype(np.int64),
+            io.PAST_LENS: past.astype(np.int32),
+            io.QUERY_LENS: qlens.astype(np.int32),
+            io.BLOCK_TABLES: self.tables,
         }
 
 
-def compare(before: ir.Model, after: ir.Model, ctx: BuildContext, atol: float = ATOL) -> float:
+def compare(before: ir.Model, after: ir.Model, spec: ModelSpec, block_size: int, atol: float = ATOL) -> float:
     """Max abs difference of the logits (and written caches) of the two graphs; raises
     PassVerificationError beyond `atol`."""
     s_before, s_after = _session(before), _session(after)
@@ -110,38 +112,39 @@ def compare(before: ir.Model, after: ir.Model, ctx: BuildContext, atol: float = 
     diffs: list[float] = []
     if not paged_after:
         rng = np.random.default_rng(0)
-        ids = rng.integers(0, ctx.spec.vocab_size, (2, 2 * ctx.block_size + 3))
-        feeds = {"input_ids": ids, "position_ids": np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()}
-        diffs.append(float(np.abs(_run(s_before, feeds)["logits"] - _run(s_after, feeds)["logits"]).max()))
+        ids = rng.integers(0, spec.vocab_size, (2, 2 * block_size + 3))
+        feeds = {io.INPUT_IDS: ids, io.POSITION_IDS: np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()}
+        diffs.append(float(np.abs(_run(s_before, feeds)[io.LOGITS] - _run(s_after, feeds)[io.LOGITS]).max()))
     elif not paged_before:
-        scenario = _PagedScenario(ctx)
+        scenario = _PagedScenario(spec, block_size)
         feeds = next(scenario.steps())
-        seq = feeds["input_ids"].shape[1]
-        feeds["query_lens"] = np.full(2, seq, np.int32)
-        ref = _run(s_before, feeds)["logits"]
-        got = _run(s_after, {**feeds, **scenario.empty_caches(kv_layout.of_model(after))})["logits"]
+        seq = feeds[io.INPUT_IDS].shape[1]
+        feeds[io.QUERY_LENS] = np.full(2, seq, np.int32)
+        ref = _run(s_before, feeds)[io.LOGITS]
+        got = _run(s_after, {**feeds, **scenario.empty_caches(kv_layout.of_model(after))})[io.LOGITS]
         ref = ref[:, -1] if got.ndim == 2 else ref
         diffs.append(float(np.abs(ref - got).max()))
     else:
-        scenario = _PagedScenario(ctx)
+        scenario = _PagedScenario(spec, block_size)
         layouts = [kv_layout.of_model(before), kv_layout.of_model(after)]
         caches = [scenario.empty_caches(layout) for layout in layouts]
         for feeds in scenario.steps():
             outs = []
             for k, sess in enumerate((s_before, s_after)):
                 out = _run(sess, {**feeds, **caches[k]})
-                caches[k] = {name.replace("kv_cache_out.", "kv_cache."): v
-                             for name, v in out.items() if name.startswith("kv_cache_out.")}
-                outs.append(_last_valid(out["logits"], feeds["query_lens"]))
+                caches[k] = {cache_in: out[cache_out] for cache_in, cache_out in scenario.caches}
+                outs.append(_last_valid(out[io.LOGITS], feeds[io.QUERY_LENS]))
             diffs.append(float(np.abs(outs[0] - outs[1]).max()))
-        for name in caches[0]:  # compared token-major; block 0 is scratch: padding writes land there in any order
-            pools = [kv_layout.to_token_major(caches[k][name], layouts[k]) for k in (0, 1)]
-            diffs.append(float(np.abs(pools[0][:, 1:] - pools[1][:, 1:]).max()))
+        for name in caches[0]:  # compared token-major, but for the scratch block padding writes in any order
+            pools = [np.delete(kv_layout.to_token_major(caches[k][name], layouts[k]), io.SCRATCH_BLOCK, axis=1)
+                     for k in (0, 1)]
+            diffs.append(float(np.abs(pools[0] - pools[1]).max()))
     worst = max(diffs)
     if not worst <= atol:
         raise PassVerificationError(f"outputs differ by {worst:.3g} (> {atol:g}) after the pass")
     return worst
 
 
-def verifier(before: ir.Model, after: ir.Model, ctx: BuildContext) -> float:
-    return compare(before, after, ctx)
+def verifier(spec: ModelSpec, block_size: int):
+    """The PassManager's check of each pass on this model."""
+    return lambda before, after: compare(before, after, spec, block_size)

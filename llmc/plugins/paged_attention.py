@@ -7,33 +7,35 @@ This module is the op's single source of truth, used by both sides of the compil
   which is what per-pass verification needs, and inlining it *is* the ORT lowering;
 - `reference()`: a numpy implementation, the oracle for kernels (ORT lowering, TRT plugin).
 
-Semantics (design §4). Row b holds `query_lens[b]` valid new tokens (the rest of S is padding).
+Semantics (llmc.contract.graph_io, design §4). Row b holds `query_lens[b]` valid new tokens (the rest of S is padding).
 New token j has position p = past_lens[b] + j; its K/V are written to block
 `block_tables[b, p // block_size]` at offset `p % block_size`, then its query attends to
 positions 0..p of row b (only positions > p - sliding_window when a window is set). Writes for
 padding tokens go to block 0, which the KV cache manager reserves as a scratch block and never
 hands to a sequence.
 
-Cache layout: kv_cache is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V).
-A block is contiguous per K/V, so a paged read is one GatherND copy of exactly the blocks a
-row uses, and a write is one ScatterND. `kv_cache_out` is the updated cache; backends alias it
+Cache layout: token-major (llmc.contract.kv_layout), `[2, num_blocks, block_size, num_kv_heads,
+head_dim]` (K then V). A block is contiguous per K/V, so a paged read is one GatherND copy of
+exactly the blocks a row uses, and a write is one ScatterND. `kv_cache_out` is the updated cache; backends alias it
 to `kv_cache` (ORT: IOBinding to the same OrtValue; TRT: the plugin writes in place).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
+
+from llmc.contract.graph_io import BLOCK_TABLES, PAST_LENS, QUERY_LENS, SCRATCH_BLOCK
 
 DOMAIN = "llmc"
 OP_TYPE = "PagedAttention"
 VERSION = 1
 ONNX_OPSET = 23
-SCRATCH_BLOCK = 0
 
-INPUTS = ("query", "key", "value", "kv_cache", "past_lens", "query_lens", "block_tables")
-OUTPUTS = ("output", "kv_cache_out")
+INPUTS = ("query", "key", "value", "cache", PAST_LENS, QUERY_LENS, BLOCK_TABLES)
+OUTPUTS = ("output", "cache_out")
 
 
 @dataclass(frozen=True)
@@ -54,14 +56,10 @@ class PagedAttentionAttrs:
         }
 
 
-def output_shapes(query_shape, kv_cache_shape):
+def output_shapes(query_shape, cache_shape):
     """Shape rule shared by graph checks and the TensorRT plugin: output is query-shaped and
     the cache keeps its shape."""
-    return tuple(query_shape), tuple(kv_cache_shape)
-
-
-def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return tuple(query_shape), tuple(cache_shape)
 
 
 @dataclass
@@ -160,15 +158,14 @@ def build_function():
         num_kv_heads=ref("num_kv_heads", INT), scale=ref("scale", FLOAT), softcap=ref("softcap", FLOAT))
     fn_graph.outputs.extend([output, cache_out])
     output.name, cache_out.name = OUTPUTS
-    attrs = [ir.Attr(n, ir.AttributeType.UNDEFINED, None)
-             for n in ("num_heads", "num_kv_heads", "scale", "sliding_window", "softcap")]
+    attrs = [ir.Attr(f.name, ir.AttributeType.UNDEFINED, None) for f in dataclasses.fields(PagedAttentionAttrs)]
     return ir.Function(DOMAIN, OP_TYPE, graph=fn_graph, attributes=attrs)
 
 
-def reference(query, key, value, kv_cache, past_lens, query_lens, block_tables, *, num_heads,
+def reference(query, key, value, cache, past_lens, query_lens, block_tables, *, num_heads,
               num_kv_heads, scale, sliding_window=0, softcap=0.0):
     """Numpy oracle. Returns (output, updated cache); the input cache is not modified."""
-    cache = kv_cache.copy()
+    cache = cache.copy()
     batch, _, seq, head_dim = query.shape
     block_size = cache.shape[2]
     group = num_heads // num_kv_heads

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-SCRATCH_BLOCK = 0
+from llmc.contract.graph_io import SCRATCH_BLOCK
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -54,7 +54,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks = [_Block() for _ in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks) if i != SCRATCH_BLOCK)
         self._by_hash: dict[int, int] = {}
         self.stats = CacheStats()
 
@@ -166,7 +166,9 @@ class BlockManager:
             for bid in table:
                 refs[bid] += 1
         assert refs[SCRATCH_BLOCK] == 0 and SCRATCH_BLOCK not in self._free
-        for bid in range(1, self.num_blocks):
+        for bid in range(self.num_blocks):
+            if bid == SCRATCH_BLOCK:
+                continue
             block = self._blocks[bid]
             assert block.ref_count == refs[bid], (bid, block.ref_count, refs[bid])
             assert (bid in self._free) == (block.ref_count == 0), bid

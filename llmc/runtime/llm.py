@@ -7,6 +7,7 @@ another: padding a decode row to a chunk's length would multiply its cost.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -14,17 +15,16 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from llmc.errors import LlmcError, RequestError, first_line
+from llmc.contract.engine_dir import open_engine
+from llmc.contract.graph_io import SCRATCH_BLOCK
+from llmc.contract.options import RuntimeOptions
+from llmc.contract.tuning import read_tuning
+from llmc.errors import RequestError, first_line
 from llmc.runtime.engine import Engine
 from llmc.runtime.kv_cache import BlockManager, blocks_for
-from llmc.runtime.request import Request, RequestOutput, Status
+from llmc.runtime.request import Request, RequestOutput
 from llmc.runtime.sampling import Sampler, SamplingParams
-from llmc.runtime.scheduler import Scheduler, SchedulerConfig
-from llmc.runtime.tuning import load_tuning, merge_tuning
-
-SCHEDULER_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "enable_prefix_caching")
-ENGINE_OPTIONS = ("num_threads", "kv_cache_blocks", "kv_cache_bytes", "allow_spinning", "graph_optimization_level",
-                  "verify_checksums")
+from llmc.runtime.scheduler import Scheduler
 
 __all__ = ["LLM", "RequestOutput", "Stream"]
 
@@ -45,41 +45,32 @@ class Stream:
 
 
 class LLM:
-    def __init__(self, engine_dir: str | Path, *, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
-                 enable_prefix_caching: bool | None = None, use_tuning: bool = True, **engine_options):
-        """An option left at None takes the value in the engine's tuning.json (unless use_tuning is
-        False), else its default: max_num_seqs 16, max_num_batched_tokens 512, chunk_size 256."""
+    def __init__(self, engine_dir: str | Path, *, use_tuning: bool = True, **options):
+        """`options` are RuntimeOptions fields. One left out (or None) takes the value in the engine's
+        tuning.json (unless use_tuning is False), else its default. `self.options` is what runs,
+        `self.tuning` the tuned values that took effect (None without tuning)."""
         from tokenizers import Tokenizer
 
-        unknown = set(engine_options) - set(ENGINE_OPTIONS)
-        if unknown:
-            raise LlmcError(f"unknown option {sorted(unknown)[0]!r}; options are: "
-                            f"{', '.join(SCHEDULER_OPTIONS + ENGINE_OPTIONS)}")
-        explicit = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        chunk_size=chunk_size, enable_prefix_caching=enable_prefix_caching, **engine_options)
-        # The tuned options that took effect (None: no tuning.json, or use_tuning=False).
-        tuned = load_tuning(engine_dir) if use_tuning else None
-        options, applied = merge_tuning(explicit, tuned)
+        given = RuntimeOptions.given(options)
+        files = open_engine(engine_dir, verify_checksums=given.get("verify_checksums", True))
+        tuned = read_tuning(files.tuning) if use_tuning and files.tuning is not None else None
+        options, applied = RuntimeOptions.merge(given, tuned)
         self.tuning = applied if tuned is not None else None
-        config = SchedulerConfig(**{k: options.pop(k) for k in SCHEDULER_OPTIONS if k in options})
-        self.engine = Engine(engine_dir, **options)
-        self.blocks = BlockManager(self.engine.num_blocks, self.engine.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.blocks)
-        manifest = self.engine.manifest
-        self.tokenizer = Tokenizer.from_file(str(self.engine.dir / manifest["tokenizer"]))
-        self.eos_ids = self._eos_ids()
+        self.engine = Engine(files, options)
+        self.options = dataclasses.replace(options, num_threads=self.engine.num_threads)
+        self.blocks = BlockManager(self.engine.num_blocks, self.engine.block_size, options.enable_prefix_caching)
+        self.scheduler = Scheduler(options, self.blocks)
+        self.tokenizer = Tokenizer.from_file(str(files.tokenizer))
+        self.eos_ids = self._eos_ids(files.generation_config)
         self.sampler = Sampler()
         self._requests: dict[str, Request] = {}
         self._next_order = 0
         self.computed_tokens = 0  # tokens run through the model (prefill + decode), all requests
 
-    def _eos_ids(self) -> frozenset[int]:
+    def _eos_ids(self, generation_config: Path) -> frozenset[int]:
         eos = set(self.engine.spec.eos_token_ids)
-        gen_path = self.engine.dir / "generation_config.json"
-        if gen_path.is_file():
-            value = json.loads(gen_path.read_text()).get("eos_token_id")
-            eos |= set(value if isinstance(value, list) else [value] if value is not None else [])
+        value = json.loads(generation_config.read_text()).get("eos_token_id")
+        eos |= set(value if isinstance(value, list) else [value] if value is not None else [])
         return frozenset(eos)
 
     @property
@@ -180,15 +171,19 @@ class LLM:
                       arrival_time: float | None = None) -> Request:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        vocab = self.engine.spec.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty; pass at least one character of text")
             text, ids = prompt, self.encode(prompt)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:  # the tokenizer knows tokens the model has no embedding for
+                raise RequestError(f"the prompt encodes to token {self.tokenizer.id_to_token(bad[0])!r} (id {bad[0]}), "
+                                   f"outside the model's vocabulary (0..{vocab - 1}); remove it from the prompt")
         else:
             text, ids = None, [int(t) for t in prompt]
             if not ids:
                 raise RequestError("prompt is empty; pass at least one token id")
-            vocab = self.engine.spec.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
@@ -256,7 +251,7 @@ class LLM:
         past_lens = np.array([r.num_computed_tokens for r, _ in rows], np.int32)
         query_lens = np.array([n for _, n in rows], np.int32)
         width = max(len(r.block_table) for r, _ in rows)
-        tables = np.zeros((batch, width), np.int32)
+        tables = np.full((batch, width), SCRATCH_BLOCK, np.int32)  # a short row's tail reads nothing
         for i, (r, n) in enumerate(rows):
             input_ids[i, :n] = r.token_ids[r.num_computed_tokens:r.num_computed_tokens + n]
             tables[i, :len(r.block_table)] = r.block_table

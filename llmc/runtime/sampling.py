@@ -185,7 +185,7 @@ class Sampler:
 
         # All greedy, the common serving case: one argmax, no [B, V] copy. Checked in plain Python:
         # right after a step's graph run the caches hold none of numpy's code, and fromiter + all
-        # cost ~50 us there (one batch-1 token is ~12 ms).
+        # were measurably slower there (docs/attention_cpu.md).
         if all(p.greedy for p in params):
             return np.argmax(logits, axis=-1).astype(np.int64, copy=False)
         out = np.empty(batch, dtype=np.int64)

@@ -11,37 +11,14 @@ the waiting queue, to be recomputed later (its cached prefix usually survives in
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
-from llmc.errors import LlmcError
+from llmc.contract.options import RuntimeOptions
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.request import Request, Status
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 16  # requests running at once
-    max_num_batched_tokens: int = 512  # tokens computed per step, all requests together
-    chunk_size: int = 256  # most prompt tokens one request computes in a step
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LlmcError(f"{name} must be an integer >= 1 (got {value!r})")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise LlmcError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                            f"({self.max_num_seqs}) so every running request can decode each step")
-        if self.chunk_size > self.max_num_batched_tokens:
-            raise LlmcError(f"chunk_size ({self.chunk_size}) must be <= max_num_batched_tokens "
-                            f"({self.max_num_batched_tokens})")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise LlmcError(f"enable_prefix_caching must be True or False (got {self.enable_prefix_caching!r})")
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: RuntimeOptions, blocks: BlockManager):
         self.config = config
         self.blocks = blocks
         self.waiting: deque[Request] = deque()

@@ -49,9 +49,8 @@ static OrtStatus *input(OrtKernelContext *ctx, size_t index, tensor *t) {
     if (t->value == NULL)
         return NULL;
     if (shape_by_reference) {
-        /* 1 call instead of 5 and a heap object, per input of each of a step's ~150 ops: the
-         * ops' time before their kernels in a batch-1 step went from 394 to 309 us (545 to 429
-         * with lossless weights; rdtsc-traced A/B, 8 alternations) */
+        /* 1 call instead of 5 and a heap object, per input of each of a step's ops: a measurable
+         * share of a batch-1 step (docs/attention_cpu.md, "Where a batch-1 step's time goes") */
         const int64_t *dims;
         TRY(CALL(ORT_GetTensorElementTypeAndShapeDataReference, ort_type_shape_ref_fn, t->value, &t->type, &dims,
                  &t->rank));

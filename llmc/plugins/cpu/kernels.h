@@ -57,7 +57,7 @@ void llmc_linear_panels(const float *x, const float *w_packed, float *y, int64_t
  * float's top byte (sign and 7 exponent bits) takes only a few values in a panel, so it is stored
  * as a 4-bit code into the panel's 16-entry table, and the low 24 bits as they are. Decoding gives
  * back every float bit for bit, and the FMAs run in the same order as llmc_linear_panels, so the
- * outputs are identical. Layout (llmc/kernels/lossless.py writes it), K a multiple of 4:
+ * outputs are identical. Layout (llmc/plugins/cpu/lossless.py writes it), K a multiple of 4:
  *   panels: ceil(N / 32) x [table: 16 uint32, each a top byte << 24 | K / 4 groups of 4 k steps:
  *           low 16 bits [4][32] uint16, bits 16-23 [4][32] uint8, codes [4][16] uint8 (column c's
  *           code in the low nibble of byte c, column 16 + c's in its high nibble)]

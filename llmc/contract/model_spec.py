@@ -7,8 +7,7 @@ so the runtime knows the model without importing transformers.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -28,27 +27,7 @@ class ModelSpec:
     norm_eps: float
     activation: str
     tie_word_embeddings: bool
-    dtype: str = "float32"
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown ModelSpec fields: {sorted(unknown)}")
-        d = dict(d)
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
-        return cls(**d)
-
-    def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+    eos_token_ids: tuple[int, ...] = ()

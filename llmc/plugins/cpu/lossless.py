@@ -1,10 +1,10 @@
 """The lossless weight format of llmc's GEMM kernel (layout in kernels.h, `llmc_linear_lossless`).
 
 A float32's top byte (sign and the 7 high exponent bits) takes few values in a weight matrix: the
-16 commonest of a 32-column panel cover all but ~0.01-0.03% of its weights in trained and in
-randomly initialised models alike. Each weight is stored as a 4-bit code into the panel's table
-plus its low 24 bits, 28 bits in place of 32; the rare weights whose top byte misses the table are
-listed as exceptions with their bits. Decoding is exact, so a product over this format equals the
+16 commonest of a 32-column panel cover nearly all of its weights in trained and in randomly
+initialised models alike (docs/attention_cpu.md, "Lossless weights"). Each weight is stored as a
+4-bit code into the panel's table plus its low 24 bits, 28 bits in place of 32; the rare weights
+whose top byte misses the table are listed as exceptions with their bits. Decoding is exact, so a product over this format equals the
 fp32 one bit for bit, while a decode step streams 12.5% fewer bytes.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.kernels import PANEL
+from llmc.plugins.cpu import PANEL
 
 TABLE = 16
 GROUP = 4  # k steps per group: a group's planes fill whole 64-byte lines
@@ -38,6 +38,21 @@ def exceptions(blob: np.ndarray, k: int, n: int) -> int:
     return int(_exception_lists(blob, k, n)[0][-1])
 
 
+def _top_bytes(packed: np.ndarray) -> np.ndarray:
+    return (np.ascontiguousarray(packed).view(np.uint32) >> 24).astype(np.uint8)
+
+
+def _top_byte_counts(top: np.ndarray) -> np.ndarray:
+    """[panels, 256]: how often each top byte occurs in each panel."""
+    return np.stack([np.bincount(top[p].ravel(), minlength=256) for p in range(top.shape[0])])
+
+
+def exception_share(packed: np.ndarray) -> float:
+    """The share of a packed weight's floats the format would list as exceptions (without encoding it)."""
+    counts = _top_byte_counts(_top_bytes(packed))
+    return 1.0 - float(np.sort(counts, axis=1)[:, -TABLE:].sum()) / packed.size
+
+
 def supports(packed: np.ndarray) -> str | None:
     """None if `packed` ([panels, K, 32] float32) can be encoded, else why not."""
     if packed.dtype != np.float32 or packed.ndim != 3 or packed.shape[2] != PANEL:
@@ -53,8 +68,8 @@ def encode(packed: np.ndarray) -> np.ndarray:
         raise ValueError(why)
     panels, k, _ = packed.shape
     bits = np.ascontiguousarray(packed).view(np.uint32)
-    top = (bits >> 24).astype(np.uint8)
-    counts = np.stack([np.bincount(top[p].ravel(), minlength=256) for p in range(panels)])
+    top = _top_bytes(packed)
+    counts = _top_byte_counts(top)
     table = np.argsort(-counts, axis=1, kind="stable")[:, :TABLE].astype(np.uint32)  # commonest first
     code_of = np.full((panels, 256), TABLE, np.uint8)
     np.put_along_axis(code_of, table.astype(np.int64), np.arange(TABLE, dtype=np.uint8)[None, :], axis=1)

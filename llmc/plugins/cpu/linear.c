@@ -1,7 +1,7 @@
 /* See kernels.h. The tile is up to 12 rows x 32 columns: 24 accumulator registers (AVX-512),
  * each k step loading two weight vectors and feeding 24 FMAs with broadcast activations. Rows
- * beyond 12 take another pass over the panel, from cache; 12 rather than 8 per pass took a
- * 16-row decode step's projections from 17.1-17.9 to 16.1-16.3 ms (docs/attention_cpu.md). */
+ * beyond 12 take another pass over the panel, from cache; 12 rather than 8 per pass was measured
+ * faster on 16-row decode steps (docs/attention_cpu.md). */
 #include "kernels.h"
 #include "simd.h"
 
@@ -10,14 +10,13 @@
 
 /* How far ahead of its loads the tile prefetches the weights, in floats: 16 KB. The hardware
  * prefetchers stop at each 4 KB page, and the out-of-order window covers a few hundred bytes,
- * far less than DRAM latency; without it the FMAs and the weight stream took turns. On a chain
- * of smollm2's 121 projections (a C harness), 16 rows went from 15.6-21 ms to 12.1-13.8 (about
- * the time the weights take to read), 8 rows and 1 row gained 5-10% and 2-5%. */
+ * far less than DRAM latency; without it the FMAs and the weight stream took turns
+ * (docs/attention_cpu.md has the measurements). */
 #define PREFETCH_AHEAD 4096
 
 /* A product of at most 12 rows reads each panel in one pass, so its weights are fetched with the
- * non-temporal hint (simd.h): in-process A/B of model steps, batch 8 0.955x, batch 1 0.97-0.99x.
- * With more rows, later passes reread the panel from cache, which that hint would evict. */
+ * non-temporal hint (simd.h), which was measured faster (docs/attention_cpu.md). With more rows,
+ * later passes reread the panel from cache, which that hint would evict. */
 #define ONE_PASS_ROWS 12
 
 /* Rows [0, R) of x times one panel into out (row stride out_stride). */
@@ -98,9 +97,8 @@ void llmc_skip_rmsnorm_rows(const float *x, const float *skip, const float *gamm
 
 /* -- the lossless weight format (kernels.h) --------------------------------------------------- */
 
-/* The lossless tile's prefetch distance, in bytes: 4 KB, not the fp32 tile's 16. In-process A/B
- * of a lossless engine's decode steps (10 alternations, context 192), 4 KB against 16 KB: batch 1
- * 0.931x, batch 4 0.960x, batch 8 1.01x; 2 KB and 8 KB did no better than 4. */
+/* The lossless tile's prefetch distance, in bytes: 4 KB, not the fp32 tile's 16, which measured
+ * slower at batch 1 to 4 (docs/attention_cpu.md); 2 KB and 8 KB did no better than 4. */
 #define LOSSLESS_AHEAD 4096
 
 #define PANEL_HEADER 64                      /* the code table: 16 uint32 */

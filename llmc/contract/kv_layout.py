@@ -33,6 +33,11 @@ def of_model(model) -> str:
     return model.metadata_props.get(METADATA_KEY, TOKEN_MAJOR)
 
 
+def set_layout(model, layout: str) -> None:
+    """Record on an onnx_ir model the layout its pools now use."""
+    model.metadata_props[METADATA_KEY] = layout
+
+
 def to_token_major(pool: np.ndarray, layout: str) -> np.ndarray:
     """A pool in `layout` as the token-major array of the same contents (to compare pools)."""
     if layout == TOKEN_MAJOR:

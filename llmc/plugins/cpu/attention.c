@@ -95,7 +95,7 @@ void llmc_attention_write(const llmc_attention *a) {
 /* A task is (row b, query heads [h0, h0 + heads), query tile). A task takes all heads when that
  * leaves enough tasks: a block's KV heads lie side by side in the pool and a sequence's blocks
  * mostly follow each other, so the task reads one run of memory, not one head's tiles at a
- * stride (16-row decode at 400 tokens: 0.36 -> 0.26 ms per layer, docs/attention_cpu.md).
+ * stride (measured in docs/attention_cpu.md).
  * Otherwise heads that share a KV head go together, so each key and value is loaded once for
  * all of them; with fewer tasks still (batch-1 decode), each query head is a task of its own. */
 static int64_t heads_per_task(const llmc_attention *a) {
@@ -275,8 +275,8 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
 
     /* The next block's tiles stream in while this one is used. The fast paths fetch them a line
      * per line they read, spread over the block's arithmetic: fetching whole tiles at once fills
-     * the core's miss buffers and stalls that arithmetic until they land (16-row decode at 400
-     * tokens over a scattered pool: 0.41 -> 0.34 ms per layer). Other shapes fetch at once. */
+     * the core's miss buffers and stalls that arithmetic until they land (docs/attention_cpu.md).
+     * Other shapes fetch at once. */
     int spread = bs == 16 && d % 16 == 0 && d <= 128;
     int64_t tile_floats = bs * d, run = kv_count * tile_floats;  /* the task's tiles of a block */
 #define TILE(t) (a->cache + ((int64_t)table[(t) / bs] * hkv + kvh) * tile_floats)

@@ -1,20 +1,32 @@
-"""llmc's CPU kernels: a custom-op library ONNX Runtime loads (domain `llmc.cpu`).
+"""llmc.cpu: llmc's CPU kernels, a custom-op library ONNX Runtime loads.
 
-The C sources (attention.c: the arithmetic; cpu_ops.c: ORT's custom-op ABI) are compiled by
+The C sources (attention.c, linear.c: the arithmetic; cpu_ops.c: ORT's custom-op ABI, whose few
+slots it uses are declared in ort_abi.h because the ORT wheel ships no headers) are compiled by
 setup.py when llmc is installed, as an optional extension: without a C compiler the install
-still succeeds, the `cpu-kernels` pass stands aside and engines use standard ONNX ops.
+still succeeds, the passes that target these ops stand aside and engines use standard ONNX ops.
 The library is a plain shared object for ORT's `register_custom_ops_library`, not a Python
-module: nothing imports it.
+module: nothing imports it. The ops and their inputs are documented in kernels.h.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 DOMAIN = "llmc.cpu"
 VERSION = 1
 PANEL = 32  # PackedMatMul's column panel width (LLMC_PANEL in kernels.h)
+
+
+class PackedGemm(NamedTuple):
+    weight_input: int  # where it takes its packed weight; the optional lossless copy is the input after
+    num_outputs: int
+
+
+# The ops that run the packed GEMM (cpu_ops.c).
+PACKED_GEMMS = {"PackedMatMul": PackedGemm(1, 1), "SkipRMSNormMatMul": PackedGemm(3, 2),
+                "SwiGLUMatMul": PackedGemm(1, 1)}
 # Points at another build of the library; set to "" to build and run without it.
 LIBRARY_ENV = "LLMC_CPU_KERNELS"
 MISSING_HINT = "reinstall llmc where a C compiler is available: pip install -e ."
@@ -28,10 +40,6 @@ def library_path() -> Path | None:
     return found[-1] if found else None
 
 
-def uses_kernels(opset_domains) -> bool:
-    return DOMAIN in opset_domains
-
-
 def register(session_options) -> None:
     """Make `session_options` able to run llmc.cpu nodes. Raises LlmcError when the library is
     missing, so an engine that needs it fails with the fix rather than ORT's unknown-op error."""
@@ -42,3 +50,15 @@ def register(session_options) -> None:
         raise LlmcError(f"this engine runs llmc's CPU kernels, which this install lacks; {MISSING_HINT}, "
                         "or rebuild the engine with --disable-pass cpu-kernels")
     session_options.register_custom_ops_library(str(path))
+
+
+def pack_weight(w):
+    """[K, N] -> column panels [ceil(N / PANEL), K, PANEL], the last one zero-padded: the
+    weight layout PackedMatMul reads (one panel streams while up to 12 rows accumulate)."""
+    import numpy as np
+
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    padded = np.zeros((k, panels * PANEL), np.float32)
+    padded[:, :n] = w
+    return np.ascontiguousarray(padded.reshape(k, panels, PANEL).transpose(1, 0, 2))

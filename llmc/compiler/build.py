@@ -1,0 +1,198 @@
+"""The build driver: model ref -> frontend -> export -> passes -> engine, in labelled stages.
+
+Each stage reports to a `progress` callback and is timed; the build report records stage times,
+per-pass counts and peak memory. Everything is written into a temp dir beside the target and
+renamed at the end (llmc.contract.engine_dir.EngineWriter), so a failed or interrupted build leaves
+nothing at the target path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from llmc import __version__
+from llmc.contract import graph_io, kv_layout
+from llmc.contract.codec import to_json
+from llmc.contract.engine_dir import EngineWriter
+from llmc.contract.manifest import Backend, KVCache, Manifest, PassRecord, Payload, Source
+from llmc.contract.model_spec import ModelSpec
+from llmc.contract.options import BuildOptions
+from llmc.errors import LlmcError
+
+MODEL_FILE = "model.onnx"
+WEIGHTS_FILE = "model.onnx.data"
+TOKENIZER_DIR = "tokenizer"
+GENERATION_CONFIG = "generation_config.json"
+DEFAULT_MAX_CONTEXT = 4096
+
+
+@dataclass
+class StageRecord:
+    name: str
+    seconds: float
+    detail: str = ""
+
+
+@dataclass
+class BuildReport:
+    """build_report.json (and .md): what the build did and what it cost."""
+
+    model: str
+    llmc_version: str
+    stages: list[StageRecord]
+    passes: list[PassRecord]
+    peak_rss_mb: float
+    parameters: int
+
+    def markdown(self, spec: ModelSpec) -> str:
+        lines = [
+            f"# Build report: {self.model}",
+            "",
+            f"llmc {self.llmc_version} · {spec.architecture} · {spec.num_layers} layers · hidden {spec.hidden_size} · "
+            f"{self.parameters / 1e6:.1f}M parameters · peak RSS {self.peak_rss_mb:.0f} MB",
+            "",
+            "## Stages",
+            "",
+            "| stage | seconds | detail |",
+            "|---|---:|---|",
+        ]
+        lines += [f"| {s.name} | {s.seconds:.2f} | {s.detail} |" for s in self.stages]
+        lines += ["", "## Passes", "", "| pass | changed | matches | nodes | seconds | max abs diff |",
+                  "|---|---|---|---|---:|---:|"]
+        for p in self.passes:
+            diff = "not verified" if p.max_abs_diff is None else f"{p.max_abs_diff:.2e}"
+            lines.append(f"| {p.name} | {'yes' if p.changed else 'no'} | {_counts_text(p.counts)} | "
+                         f"{p.nodes_before} → {p.nodes_after} | {p.seconds:.3f} | {diff} |")
+        misses = [(p.name, m) for p in self.passes for m in p.misses]
+        if misses:
+            lines += ["", "## Rules that did not fire", ""] + [f"- {n}: {m}" for n, m in misses]
+        return "\n".join(lines) + "\n"
+
+
+@dataclass
+class BuildResult:
+    engine_dir: Path
+    stages: list[StageRecord] = field(default_factory=list)
+    peak_rss_mb: float = 0.0
+    misses: list[tuple[str, str]] = field(default_factory=list)  # (pass, why a rule did not fire)
+
+
+Progress = Callable[[str, str, bool], None]  # (stage, message, finished)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def build(model_ref: str, output: str | Path, options: BuildOptions | None = None, *, overwrite: bool = False,
+          dump_ir: Path | None = None, progress: Progress | None = None) -> BuildResult:
+    import onnx_ir as ir
+
+    from llmc.compiler.export import export_onnx
+    from llmc.compiler.frontend import load_hf_model, model_spec_from_config, read_config, resolve_model
+    from llmc.compiler.tokenizer import export_tokenizer
+    from llmc.passes.manager import PassManager
+    from llmc.passes.pipeline import pipeline
+    from llmc.passes.verify import verifier
+    from llmc.plugins import cpu
+
+    options = options or BuildOptions()
+    passes = pipeline(options)  # refuses a bad --disable-pass before any work
+    say = progress or (lambda stage, msg, finished=False: None)
+    stages: list[StageRecord] = []
+    output = Path(output)
+
+    def stage(name: str, start: float, detail: str = "") -> None:
+        stages.append(StageRecord(name, time.perf_counter() - start, detail))
+        say(name, f"{detail} ({stages[-1].seconds:.1f}s)" if detail else f"done ({stages[-1].seconds:.1f}s)", True)
+
+    with EngineWriter(output, overwrite=overwrite) as writer:
+        t = time.perf_counter()
+        say("resolve", f"resolving {model_ref}", False)
+        folder = resolve_model(model_ref)
+        spec = model_spec_from_config(read_config(folder))
+        max_context = options.max_context or min(spec.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+        if max_context > spec.max_position_embeddings:
+            raise LlmcError(f"--max-context {max_context} exceeds the model's max positions "
+                            f"({spec.max_position_embeddings}); use a smaller value")
+        options = dataclasses.replace(options, max_context=max_context)
+        stage("resolve", t, f"{spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}")
+
+        t = time.perf_counter()
+        say("load", "loading weights", False)
+        hf_model = load_hf_model(folder)
+        num_params = sum(p.numel() for p in hf_model.parameters())
+        stage("load", t, f"{num_params / 1e6:.1f}M parameters")
+
+        t = time.perf_counter()
+        say("export", "torch.export -> ONNX opset 23", False)
+        model = export_onnx(hf_model, spec)
+        del hf_model
+        stage("export", t, f"{sum(1 for _ in model.graph)} nodes")
+
+        t = time.perf_counter()
+        manager = PassManager(passes, verifier=verifier(spec, options.block_size) if options.verify else None,
+                              dump_dir=dump_ir,
+                              on_pass=lambda r: say("passes", f"{r.name}: {_counts_text(r.counts)}", True))
+        records = manager.run(model, spec)
+        io = _graph_io(model, spec)
+        stage("passes", t, f"{len(records)} passes, {sum(1 for _ in model.graph)} nodes")
+
+        t = time.perf_counter()
+        say("save", f"writing {output}", False)
+        ir.save(model, writer.path / MODEL_FILE, external_data=WEIGHTS_FILE)
+        tokenizer = export_tokenizer(folder, writer.path / TOKENIZER_DIR)
+        _save_generation_config(folder, spec, writer.path / GENERATION_CONFIG)
+        stage("save", t)
+
+        report = BuildReport(model_ref, __version__, stages, records, round(peak_rss_mb(), 1), num_params)
+        (writer.path / "build_report.json").write_text(json.dumps(to_json(report), indent=2))
+        (writer.path / "build_report.md").write_text(report.markdown(spec))
+        writer.commit(Manifest(
+            source=Source(model_ref, str(folder), hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()),
+            backend=Backend("onnxruntime", "cpu", (cpu.DOMAIN,) if cpu.DOMAIN in model.opset_imports else ()),
+            model_spec=spec,
+            build_options=options,
+            kv_cache=KVCache(kv_layout.of_model(model), "float32", options.block_size, spec.num_layers,
+                             spec.num_kv_heads, spec.head_dim),
+            io=io,
+            payload=Payload(MODEL_FILE, WEIGHTS_FILE),
+            tokenizer=tokenizer.manifest_entry(TOKENIZER_DIR),
+            generation_config=GENERATION_CONFIG,
+            passes=tuple(records),
+        ))
+    return BuildResult(output, stages, peak_rss_mb(), manager.misses)
+
+
+def _counts_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in counts.items() if v) or "no change"
+
+
+def _graph_io(model, spec: ModelSpec) -> graph_io.GraphIO:
+    """The compiled graph's interface, which must be the engine contract's."""
+    logits = next((v for v in model.graph.outputs if v.name == graph_io.LOGITS), None)
+    mode = "last" if logits is not None and logits.shape is not None and len(logits.shape) == 2 else "all"
+    io = graph_io.GraphIO.paged(spec.num_layers, mode)
+    have = {v.name for v in [*model.graph.inputs, *model.graph.outputs]}
+    missing = [name for name in (*io.inputs, *io.outputs) if name not in have]
+    extra = sorted(have - {*io.inputs, *io.outputs})
+    if missing or extra:
+        detail = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(extra[:3])}"
+        raise LlmcError(f"the compiled graph lacks the engine interface ({detail}); this model's attention "
+                        f"was not recognized")
+    return io
+
+
+def _save_generation_config(folder: Path, spec: ModelSpec, dest: Path) -> None:
+    src = folder / GENERATION_CONFIG
+    config = json.loads(src.read_text()) if src.is_file() else {}
+    config.setdefault("bos_token_id", spec.bos_token_id)
+    config.setdefault("eos_token_id", list(spec.eos_token_ids))
+    dest.write_text(json.dumps(config, indent=2))

@@ -1,0 +1,77 @@
+"""The engine graph's interface: the names and types the compiler writes and the runtime binds.
+
+One step of the paged contract (design §4) runs rows of equal padded length S:
+  inputs   input_ids [B, S] int64, position_ids [B, S] int64,
+           past_lens [B] int32 (tokens already cached per row), query_lens [B] int32 (valid new
+           tokens per row), block_tables [B, max_blocks] int32, and per layer the pool kv_cache.{i}
+  outputs  logits ([B, V] for each row's last valid token, or [B, S, V] for every position),
+           and per layer kv_cache_out.{i}, which the runtime binds to the same buffer as
+           kv_cache.{i}: the cache is written in place.
+Block 0 of every pool is scratch: padding tokens write there and no sequence is given it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+PAST_LENS = "past_lens"
+QUERY_LENS = "query_lens"
+BLOCK_TABLES = "block_tables"
+LOGITS = "logits"
+_CACHE_INPUT = "kv_cache.{}"
+_CACHE_OUTPUT = "kv_cache_out.{}"
+
+# The canonical (exported, cache-free) graph reads only the tokens and their positions.
+TOKEN_INPUTS = (INPUT_IDS, POSITION_IDS)
+# What the paged rewrite adds, and every step input with its element type.
+PAGED_INPUTS = (PAST_LENS, QUERY_LENS, BLOCK_TABLES)
+STEP_INPUTS = {INPUT_IDS: "int64", POSITION_IDS: "int64", PAST_LENS: "int32", QUERY_LENS: "int32",
+               BLOCK_TABLES: "int32"}
+SCRATCH_BLOCK = 0
+
+# Symbolic dimension names in the graph.
+BATCH, SEQ, MAX_BLOCKS, NUM_BLOCKS = "batch", "seq", "max_blocks", "num_blocks"
+
+LogitsMode = Literal["last", "all"]
+
+
+def cache_input(layer: int) -> str:
+    return _CACHE_INPUT.format(layer)
+
+
+def cache_output(layer: int) -> str:
+    return _CACHE_OUTPUT.format(layer)
+
+
+def caches(num_layers: int) -> list[tuple[str, str]]:
+    """(input, output) per layer: the names bound to one buffer."""
+    return [(cache_input(i), cache_output(i)) for i in range(num_layers)]
+
+
+def is_cache(name: str | None) -> bool:
+    """Whether `name` is a layer's pool, as input or as output."""
+    return bool(name) and (name.startswith(_CACHE_INPUT[:-2]) or name.startswith(_CACHE_OUTPUT[:-2]))
+
+
+@dataclass(frozen=True)
+class GraphIO:
+    """An engine graph's inputs and outputs, in the contract's order."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    logits: LogitsMode
+
+    @classmethod
+    def paged(cls, num_layers: int, logits: LogitsMode) -> "GraphIO":
+        return cls(inputs=(*STEP_INPUTS, *map(cache_input, range(num_layers))),
+                   outputs=(LOGITS, *map(cache_output, range(num_layers))), logits=logits)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.inputs) - len(STEP_INPUTS)
+
+    def caches(self) -> list[tuple[str, str]]:
+        return caches(self.num_layers)

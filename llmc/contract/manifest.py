@@ -1,0 +1,156 @@
+"""manifest.json: what an engine is, typed. The compiler writes a `Manifest`; runtime and bench
+read one; nothing else spells its keys.
+
+Schema 3 (this one): the manifest is the frozen dataclasses below, every key validated on load.
+Engines of an older schema are refused with a one-line "rebuild it".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from llmc.contract import kv_layout
+from llmc.contract.codec import ContractError, from_json, to_json
+from llmc.contract.graph_io import GraphIO
+from llmc.contract.model_spec import ModelSpec
+from llmc.contract.options import BuildOptions
+
+SCHEMA_VERSION = 3
+DTYPE_BYTES = {"float32": 4}
+
+
+@dataclass(frozen=True)
+class Source:
+    model: str  # what `llmc build` was given: a recipe, a folder or a hub id
+    folder: str  # the HF folder it resolved to
+    config_sha256: str
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: Literal["onnxruntime"]
+    target: Literal["cpu"]
+    custom_ops: tuple[str, ...]  # custom-op domains the session must load (llmc.plugins)
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """How each layer's pool holds its blocks (llmc.contract.kv_layout)."""
+
+    layout: Literal["token-major", "head-major"]
+    dtype: Literal["float32"]
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def pool_shape(self, num_blocks) -> tuple:
+        return kv_layout.pool_shape(self.layout, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V of one block, all layers."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Payload:
+    """The backend's files."""
+
+    model: str
+    weights: str | None  # ONNX external data
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """The tokenizer transformers loads for the source model, serialized (llmc.compiler.tokenizer)."""
+
+    file: str  # tokenizer.json: all the runtime needs to encode and decode
+    config: str  # tokenizer_config.json: how transformers rebuilds it
+    chat_template: str | None  # a Jinja template file, for chat requests
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    changed: bool
+    counts: dict[str, int]
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    max_abs_diff: float | None  # None: not verified
+    misses: tuple[str, ...]  # why rules did not fire (the first 20)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    source: Source
+    backend: Backend
+    model_spec: ModelSpec
+    build_options: BuildOptions  # max_context resolved
+    kv_cache: KVCache
+    io: GraphIO
+    payload: Payload
+    tokenizer: Tokenizer
+    generation_config: str
+    passes: tuple[PassRecord, ...]
+    # Filled in by EngineWriter.commit:
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+    llmc_version: str = ""
+    created_at: str = ""
+
+    def __post_init__(self):
+        if self.build_options.max_context is None:
+            raise ContractError("build_options.max_context: expected the resolved context length, got null")
+        if self.kv_cache.block_size != self.build_options.block_size:
+            raise ContractError(f"kv_cache.block_size {self.kv_cache.block_size} differs from build_options."
+                                f"block_size {self.build_options.block_size}")
+        if self.io != GraphIO.paged(self.kv_cache.num_layers, self.io.logits):
+            raise ContractError(f"io: not the paged-attention interface of a {self.kv_cache.num_layers}-layer engine")
+
+    @property
+    def max_context(self) -> int:
+        return self.build_options.max_context
+
+    def role_files(self) -> dict[str, str]:
+        """Every file the runtime opens, by what it is for."""
+        roles = {"model": self.payload.model, "weights": self.payload.weights, "tokenizer": self.tokenizer.file,
+                 "tokenizer config": self.tokenizer.config, "chat template": self.tokenizer.chat_template,
+                 "generation config": self.generation_config}
+        return {role: rel for role, rel in roles.items() if rel is not None}
+
+    def to_json(self) -> dict[str, Any]:
+        return to_json(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Manifest":
+        """A manifest from parsed JSON; ContractError names the first problem. An older or newer
+        schema_version is reported as such (SchemaError) before any other key is read."""
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ContractError("schema_version missing or not an integer")
+        if version != SCHEMA_VERSION:
+            raise SchemaError(version)
+        return from_json(cls, data, "manifest")
+
+
+class SchemaError(ContractError):
+    def __init__(self, version: int):
+        super().__init__(f"schema {version}")
+        self.version = version
+
+    @property
+    def newer(self) -> bool:
+        return self.version > SCHEMA_VERSION

@@ -1,0 +1,74 @@
+"""`llmc inspect`: an engine's manifest as text people read."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from llmc.contract import graph_io
+from llmc.contract.codec import to_json
+from llmc.contract.manifest import Manifest
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (dict, list, tuple)):
+        return json.dumps(v, separators=(", ", ": ")) if v else "-"
+    return str(v)
+
+
+def _rows(d: dict[str, Any]) -> list[str]:
+    width = max(len(str(k)) for k in d)
+    return [f"  {str(k):<{width}}  {_value(v)}" for k, v in d.items()]
+
+
+def describe(manifest: Manifest, engine_dir: str | Path) -> str:
+    m = manifest
+    lines: list[str] = [f"Engine {Path(engine_dir)}"]
+    lines += _rows({"source": m.source.model, "llmc version": f"{m.llmc_version} (schema {m.schema_version})",
+                    "created": m.created_at, "backend": f"{m.backend.name} (target {m.backend.target})",
+                    "custom ops": list(m.backend.custom_ops)})
+
+    def section(title: str, body: list[str]) -> None:
+        lines.extend(["", title, *body])
+
+    section("Model spec", _rows(to_json(m.model_spec)))
+    pool = "[" + ", ".join(map(str, m.kv_cache.pool_shape(graph_io.NUM_BLOCKS))) + "]"
+    section("KV cache", _rows({**to_json(m.kv_cache), "pool shape": pool}))
+    io_lines = []
+    for kind, names in (("inputs", m.io.inputs), ("outputs", m.io.outputs)):
+        prefix = f"  {f'{kind} ({len(names)})':<14}  "
+        # Engines with many layers have hundreds of pool names: wrap rather than one huge line.
+        io_lines += textwrap.wrap(", ".join(names), width=100, initial_indent=prefix,
+                                  subsequent_indent=" " * len(prefix))
+    where = "every position" if m.io.logits == "all" else "last position of each row"
+    io_lines.append(f"  {graph_io.LOGITS:<14}  {where}")
+    section("I/O", io_lines)
+    section("Build options", _rows(to_json(m.build_options)))
+    section("Tokenizer", _rows(to_json(m.tokenizer)))
+    if m.passes:
+        width = max(len("pass"), *(len(p.name) for p in m.passes))
+        body = [f"  {'pass':<{width}}  changed  {'time':>8}  counts"]
+        body += [f"  {p.name:<{width}}  {_value(p.changed):<7}  {p.seconds:>7.2f}s  "
+                 f"{', '.join(f'{k}={v}' for k, v in p.counts.items()) or '-'}" for p in m.passes]
+        section(f"Passes ({len(m.passes)})", body)
+    if m.files:
+        width = max(len(rel) for rel in m.files)
+        body = [f"  {rel:<{width}}  {_human_bytes(e.bytes):>10}" for rel, e in m.files.items()]
+        body.append(f"  {'total':<{width}}  {_human_bytes(sum(e.bytes for e in m.files.values())):>10}")
+        section(f"Files ({len(m.files)})", body)
+    return "\n".join(lines)

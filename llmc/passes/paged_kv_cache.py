@@ -1,0 +1,85 @@
+"""paged-kv-cache: every Attention becomes `llmc::PagedAttention` over a paged block pool.
+
+Before: `Attention(q, k, v, causal_mask)` recomputes attention over the whole sequence each call.
+After: the graph takes the paged step inputs (llmc.contract.graph_io: past_lens, query_lens,
+block_tables and one pool per layer), writes each new token's K/V into its block and attends over
+the row's cached prefix, and returns each updated pool as the layer's cache output. The causal
+mask the exporter built from position_ids becomes dead and goes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx_ir as ir
+
+from llmc.contract import graph_io as io
+from llmc.contract import kv_layout
+from llmc.contract.model_spec import ModelSpec
+from llmc.passes.graph import producer
+from llmc.passes.rewrite import Rule, RulePass
+from llmc.plugins import paged_attention as pa
+
+I32 = ir.DataType.INT32
+
+
+class AttentionToPaged(Rule):
+    name = "paged_attention"
+
+    def __init__(self, spec: ModelSpec, block_size: int):
+        self.spec, self.block_size = spec, block_size
+
+    def pattern(self, op, q, k, v):
+        return op.Attention(q, k, v, _other_inputs=True, _name="attention")
+
+    def check(self, m):
+        node = m.attention
+        if len(node.inputs) > 4 and any(v is not None for v in node.inputs[4:]):
+            return "Attention already has past key/value inputs"
+        if m.q.shape is not None and len(m.q.shape) != 4:
+            return f"expected 4D [B,H,S,D] query, got rank {len(m.q.shape)}"
+        reshape = producer(m.k, "Reshape")
+        if reshape is not None and producer(reshape.inputs[0], "Expand") is not None:
+            return "K/V are still expanded to the query heads; run native-gqa first"
+        if m.k.shape is not None and len(m.k.shape) == 4 and m.k.shape[1] != self.spec.num_kv_heads:
+            return f"K has {m.k.shape[1]} heads, expected {self.spec.num_kv_heads}"
+        return None
+
+    def rewrite(self, op, m):
+        spec, node = self.spec, m.attention
+        layer = sum(io.is_cache(v.name) for v in op.graph.inputs)  # layers rewritten so far
+        cache = op.graph_input(io.cache_input(layer), ir.DataType.FLOAT, kv_layout.pool_shape(
+            kv_layout.TOKEN_MAJOR, io.NUM_BLOCKS, self.block_size, spec.num_kv_heads, spec.head_dim))
+        attrs = pa.PagedAttentionAttrs(
+            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+            scale=node.attributes.get_float("scale", 1.0 / math.sqrt(spec.head_dim)),
+            sliding_window=spec.sliding_window or 0, softcap=node.attributes.get_float("softcap", 0.0))
+        out, cache_out = op.op(
+            pa.OP_TYPE, m.q, m.k, m.v, cache, op.graph_input(io.PAST_LENS, I32, [io.BATCH]),
+            op.graph_input(io.QUERY_LENS, I32, [io.BATCH]),
+            op.graph_input(io.BLOCK_TABLES, I32, [io.BATCH, io.MAX_BLOCKS]),
+            domain=pa.DOMAIN, num_outputs=2, **attrs.as_dict())
+        cache_out.type, cache_out.shape = cache.type, cache.shape
+        op.graph_output(cache_out, io.cache_output(layer))
+        return out
+
+
+class PagedKVCache(RulePass):
+    name = "paged-kv-cache"
+    description = "rewrite every Attention into llmc::PagedAttention with paged KV-cache graph I/O"
+    required = True
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def rules(self, spec: ModelSpec):
+        return [AttentionToPaged(spec, self.block_size)]
+
+    def finish(self, model: ir.Model, spec: ModelSpec, counts) -> None:
+        # The op's meaning as a model-local function: the rewritten graph runs in ORT as is.
+        function = pa.build_function()
+        model.functions[function.identifier()] = function
+        order = {name: i for i, name in enumerate(io.GraphIO.paged(spec.num_layers, "last").inputs)}
+        inputs = sorted(model.graph.inputs, key=lambda v: order.get(v.name, len(order)))
+        model.graph.inputs.clear()
+        model.graph.inputs.extend(inputs)

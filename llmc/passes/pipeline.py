@@ -1,0 +1,69 @@
+"""The pass pipeline, as one list in phases, built from the build's options.
+
+    canonicalize      cleanup, native-gqa
+    fuse              merge-matmuls
+    rewrite KV I/O    paged-kv-cache, last-token-logits (unless logits are kept for every position)
+    backend kernels   ort-fusions (ORT's), cpu-kernels (llmc's own)
+    lower             ort-lower (what no kernel took, in standard ops)
+    layout            simplify-layout
+    weights           packed-matmul, lossless-weights (with --lossless-weights)
+
+The engine contract needs paged-kv-cache and ort-lower (`Pass.required`); any other pass can be
+left out with --disable-pass. Passes that target llmc's CPU kernels stand aside, saying why,
+where the kernel library is not built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmc.contract.options import BuildOptions
+from llmc.errors import LlmcError
+from llmc.passes.cleanup import Cleanup
+from llmc.passes.cpu_kernels import CPUKernels
+from llmc.passes.last_token_logits import LastTokenLogits
+from llmc.passes.lossless_weights import LosslessWeights
+from llmc.passes.manager import Pass
+from llmc.passes.merge_matmuls import MergeMatMuls
+from llmc.passes.native_gqa import NativeGQA
+from llmc.passes.ort_fusions import ORTFusions
+from llmc.passes.ort_lower import LowerPagedAttentionORT
+from llmc.passes.packed_matmul import PackedMatMuls
+from llmc.passes.paged_kv_cache import PagedKVCache
+from llmc.passes.simplify_layout import SimplifyLayout
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    passes: tuple[Pass, ...]
+
+
+def phases(options: BuildOptions) -> list[Phase]:
+    """Every pass the options call for, in order and by phase (--disable-pass not yet applied)."""
+    block = options.block_size
+    return [
+        Phase("canonicalize", (Cleanup(), NativeGQA())),
+        Phase("fuse", (MergeMatMuls(),)),
+        Phase("rewrite KV I/O", (PagedKVCache(block),) + ((LastTokenLogits(),) if options.last_token_logits else ())),
+        Phase("backend kernels", (ORTFusions(), CPUKernels(block))),
+        Phase("lower", (LowerPagedAttentionORT(block),)),
+        Phase("layout", (SimplifyLayout(),)),
+        Phase("weights", (PackedMatMuls(),) + ((LosslessWeights(),) if options.lossless_weights else ())),
+    ]
+
+
+def pipeline(options: BuildOptions) -> list[Pass]:
+    """The passes a build with these options runs, in order; refuses a --disable-pass it cannot honour."""
+    every = {p.name: p for phase in phases(BuildOptions(lossless_weights=True)) for p in phase.passes}
+    for name in options.disable_passes:
+        if name not in every:
+            raise LlmcError(f"unknown pass {name!r}; passes are: {', '.join(every)}")
+        if every[name].required:
+            raise LlmcError(f"pass {name!r} cannot be disabled: the engine contract needs it")
+    return [p for phase in phases(options) for p in phase.passes if p.name not in options.disable_passes]
+
+
+def optional_passes() -> list[str]:
+    """The passes --disable-pass can take away from a default build (for ablations and tuning)."""
+    return [p.name for phase in phases(BuildOptions()) for p in phase.passes if not p.required]
