@@ -2,7 +2,11 @@
 
     python benchmarks/peers.py --setup                  # peers' venv + conversions, then exit
     python benchmarks/peers.py [--reps 5] [--lossless] [--no-fusions] [--ablate] [--llmc NAME=ENGINE_DIR ...]
-                               [--json OUT]
+                               [--llmc-src NAME=CHECKOUT_DIR ...] [--peers ""] [--json OUT]
+
+--llmc-src runs that --llmc engine's worker from another llmc source checkout (its own
+benchmarks/peers_worker.py, with PYTHONPATH=CHECKOUT_DIR ahead of the editable install), so two
+versions of llmc are measured in one interleaved run; --peers "" measures llmc engines only.
 
 Peers. llama.cpp through llama-cpp-python, built here from its source distribution for this CPU,
 and onnxruntime-genai. Both live in their own virtual environment outside the repo (default
@@ -229,9 +233,9 @@ def setup(args, folder: Path) -> tuple[Path, dict]:
 
 
 def optional_passes() -> list[str]:
-    from llmc.passes import OPTIONAL_PASSES
+    from llmc.passes.pipeline import optional_passes
 
-    return list(OPTIONAL_PASSES)
+    return optional_passes()
 
 
 def build_engine(model: str, out: Path, flags: list[str]) -> str | None:
@@ -292,11 +296,12 @@ def build_variants(args, work: Path) -> tuple[list[tuple[str, Path]], dict[str, 
 
 
 class Worker:
-    def __init__(self, name: str, python: Path, args: list[str], log: Path, env: dict | None = None):
+    def __init__(self, name: str, python: Path, args: list[str], log: Path, env: dict | None = None,
+                 src: Path = REPO):
         self.name, self.log = name, log
-        self.proc = subprocess.Popen([str(python), str(WORKER), "serve", *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, bufsize=1,
-                                     env=env, cwd=REPO)
+        self.proc = subprocess.Popen([str(python), str(src / WORKER.relative_to(REPO)), "serve", *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
+                                     bufsize=1, env=env, cwd=src)
         self.info = self._read()["info"]
 
     def _read(self) -> dict:
@@ -396,14 +401,15 @@ def report(res: dict, args) -> str:
         best[metric] = pick(vals.items(), key=lambda kv: kv[1]) if vals else None
     bw = res["bandwidth_bytes_per_s"]
     out = [f"{args.model} fp32 · batch 1: {args.prompt_len}-token prompt, {args.new_tokens} new tokens, greedy, "
-           f"no early stop · batch 8: {args.new_tokens - 1} decode steps after {args.prompt_len}-token prompts · "
+           f"no early stop · batch {args.batch} (b8 columns): {args.new_tokens - 1} decode steps after "
+           f"{args.prompt_len}-token prompts · "
            f"{args.threads} threads · median of {args.reps} interleaved reps [min..max]",
            f"DRAM read bandwidth ({res['bandwidth_method']}), measured before every measurement: "
            f"{fmt(bw, 1e-9, 1)} GB/s",
            f"  -> at the median, roofline TPOT "
            f"{roof['tpot'] * 1e3:.2f} ms ({roof['weight_bytes'] / 1e6:.1f} MB weights + "
-           f"{roof['kv_bytes'] / 1e6:.1f} MB KV per token), batch-8 roofline {roof['b8_tok_s']:.0f} tok/s"]
-    w = max(len(n) for n in rows) + 2
+           f"{roof['kv_bytes'] / 1e6:.1f} MB KV per token), batch-{args.batch} roofline {roof['b8_tok_s']:.0f} tok/s"]
+    w = max(len("runtime"), *(len(n) for n in rows)) + 2
     head = (f"{'runtime':{w}s}{'same model?':16s}{'TTFT ms':>27s}{'TPOT ms':>27s}{'b8 tok/s':>27s}"
             f"{'%roofline':>10s}{'TTFT/best':>10s}{'TPOT/best':>10s}{'b8/best':>9s}")
     if res["others_cpu_share"]:
@@ -454,16 +460,42 @@ def report(res: dict, args) -> str:
 
 
 def parse_llmc(specs: list[str]) -> list[tuple[str, Path]]:
+    from llmc.contract import MANIFEST
+
     out = []
     for s in specs:
         name, sep, path = s.partition("=")
         if not sep or not name or not path:
             raise SystemExit(f"error: --llmc wants NAME=ENGINE_DIR (got {s!r})")
-        if not (Path(path) / "manifest.json").is_file():
-            raise SystemExit(f"error: --llmc {name}: {path} is not an llmc engine (no manifest.json); build one "
+        if not (Path(path) / MANIFEST).is_file():
+            raise SystemExit(f"error: --llmc {name}: {path} is not an llmc engine (no {MANIFEST}); build one "
                              "with `llmc build MODEL -o DIR`")
         out.append((name, Path(path)))
     return out
+
+
+def parse_llmc_src(specs: list[str], names: list[str]) -> dict[str, Path]:
+    out = {}
+    for s in specs:
+        name, sep, path = s.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"error: --llmc-src wants NAME=CHECKOUT_DIR (got {s!r})")
+        if name not in names:
+            raise SystemExit(f"error: --llmc-src {name}: no --llmc {name}=ENGINE_DIR to run from it")
+        src = Path(path).expanduser().resolve()
+        if not ((src / "llmc" / "__init__.py").is_file() and (src / WORKER.relative_to(REPO)).is_file()):
+            raise SystemExit(f"error: --llmc-src {name}: {src} is not an llmc checkout (no llmc/__init__.py and "
+                             f"{WORKER.relative_to(REPO)}); its C kernels must be built there too "
+                             "(python setup.py build_ext --inplace)")
+        out[name] = src
+    return out
+
+
+def src_env(src: Path) -> dict:
+    # PYTHONPATH puts the checkout's llmc ahead of the editable install's finder (which only
+    # answers what sys.path does not). The worker imports only llmc.runtime, never llmc.models
+    # (which that finder maps to this repo's models/).
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(src)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 
 
 def measure(args, folder: Path, peers: list[str], python: Path | None, converted: dict, work: Path) -> bool:
@@ -487,17 +519,19 @@ def measure(args, folder: Path, peers: list[str], python: Path | None, converted
     workers: dict[str, Worker] = {}
     common = ["--threads", str(args.threads), "--max-seqs", str(args.batch),
               "--ctx-per-seq", str(args.prompt_len + args.new_tokens + 64)]
-    specs = [(name, "llmc", Path(sys.executable), ["llmc", "--model", str(path), *common], None)
+    srcs = parse_llmc_src(args.llmc_src, [name for name, _ in engines])
+    specs = [(name, "llmc", Path(sys.executable), ["llmc", "--model", str(path), *common],
+              src_env(srcs[name]) if name in srcs else None, srcs.get(name, REPO))
              for name, path in engines if name not in build_failed]
-    specs += [(p, p, python, [p, "--model", str(converted[p]), *common, "--kv-type", args.llama_kv_type], _peer_env())
-              for p in peers]
+    specs += [(p, p, python, [p, "--model", str(converted[p]), *common, "--kv-type", args.llama_kv_type], _peer_env(),
+               REPO) for p in peers]
     try:
-        for name, kind, py, wargs, env in specs:
+        for name, kind, py, wargs, env, src in specs:
             rows.setdefault(name, {"kind": kind, "ttft": [], "tpot": [], "b8": [], "bw": [], "check": "-"})
-            print(f"load: {name}", flush=True)
+            print(f"load: {name}" + (f" (llmc from {src})" if src != REPO else ""), flush=True)
             try:
-                workers[name] = Worker(name, py, wargs, work / f"{kind}-{len(workers)}.log", env)
-                rows[name]["info"] = workers[name].info
+                workers[name] = Worker(name, py, wargs, work / f"{kind}-{len(workers)}.log", env, src)
+                rows[name]["info"] = dict(workers[name].info, src=str(src))
             except RuntimeError as exc:
                 rows[name]["failed"] = str(exc)
                 print(f"error: {exc}", flush=True)
@@ -625,9 +659,13 @@ def main() -> None:
     ap.add_argument("--peers-venv", type=Path, default=cache_root() / "peers-venv")
     ap.add_argument("--peers-dir", type=Path, default=cache_root() / "peers",
                     help="sdist, build log and converted models")
-    ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help=f"comma-separated subset of {','.join(PEERS)}; \"\" for llmc engines only")
     ap.add_argument("--llmc", action="append", default=[], metavar="NAME=ENGINE_DIR",
                     help="an llmc engine to measure (repeatable); default: build one from --model")
+    ap.add_argument("--llmc-src", action="append", default=[], metavar="NAME=CHECKOUT_DIR",
+                    help="run --llmc NAME's worker from another llmc checkout (repeatable), e.g. the code "
+                         "before a change, to compare both in one run")
     ap.add_argument("--lossless", action="store_true",
                     help="also build and measure an engine with --lossless-weights")
     ap.add_argument("--no-fusions", action="store_true",
@@ -645,8 +683,6 @@ def main() -> None:
                          "here than f32 (which would keep its numerics fp32 end to end)")
     ap.add_argument("--json", type=Path, default=None, help="write the raw numbers here")
     args = ap.parse_args()
-
-    import numpy as np
 
     from llmc.compiler.recipes import is_recipe, materialize
 
