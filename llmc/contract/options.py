@@ -16,7 +16,9 @@ from typing import Any
 
 from llmc.errors import LlmcError
 
-GRAPH_OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")  # ONNX Runtime's, by short names
+# ONNX Runtime's graph optimization levels, by the short names users give.
+GRAPH_OPTIMIZATION_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+                             "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 
 
 @dataclass(frozen=True)

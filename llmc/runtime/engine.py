@@ -16,14 +16,11 @@ import numpy as np
 
 from llmc.contract import graph_io as io
 from llmc.contract.engine_dir import EngineFiles, open_engine
-from llmc.contract.options import RuntimeOptions
+from llmc.contract.options import GRAPH_OPTIMIZATION_LEVELS, RuntimeOptions
 from llmc.errors import EngineError, LlmcError, first_line
 from llmc.plugins import cpu
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
-# ORT's levels, by the short names RuntimeOptions takes.
-_GRAPH_OPTIMIZATION_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
-                              "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 
 
 def _import_ort():
@@ -53,7 +50,7 @@ class Engine:
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
-                                                _GRAPH_OPTIMIZATION_LEVELS[options.graph_optimization_level])
+                                                GRAPH_OPTIMIZATION_LEVELS[options.graph_optimization_level])
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.allow_spinning else "0")
         opts.log_severity_level = 3
         if cpu.DOMAIN in manifest.backend.custom_ops:
