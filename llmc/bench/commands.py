@@ -198,7 +198,7 @@ def tune(engine: Path, args: WorkloadArgs, output: Path | None, plots: bool, obj
     if result.default is None or result.default.failed:
         raise LlmcError(f"the default configuration failed on this workload ({result.default.error}); "
                         "check the engine with `llmc run`")
-    winner_options = {k: v for k, v in result.winner.config.items() if k in RuntimeOptions.tunable_names()}
+    winner_options = RuntimeOptions.tunable_of(result.winner.config)
     path = write_tuning(engine, winner_options, objective=objective.name, workload=described,
                         slo=format_slo(slo) or None,
                         measured={"default": result.default.score, "winner": result.winner.score,

@@ -126,7 +126,7 @@ class WorkloadCost:
 
     def __call__(self, config: Config) -> list[dict[str, Any]]:
         engine = self._engine_for(config)
-        runtime = {k: v for k, v in config.items() if k in RuntimeOptions.tunable_names()}
+        runtime = RuntimeOptions.tunable_of(config)
         # Checksums were verified when the tune started (variants are this tuner's own builds):
         # re-hashing the weights for every trial would only add to its time.
         llm = LLM(engine, use_tuning=False, verify_checksums=False, **runtime)

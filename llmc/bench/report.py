@@ -215,7 +215,7 @@ def render_tuning_markdown(result, objective, workload: dict[str, Any], engine: 
     if recommendation:
         lines += ["", recommendation]
     if result.winner is not None:
-        runtime = {k: v for k, v in result.winner.config.items() if k in RuntimeOptions.tunable_names()}
+        runtime = RuntimeOptions.tunable_of(result.winner.config)
         lines += ["", f"tuning.json: `{format_options(runtime)}`"
                       + (" (the default values: nothing beat them beyond noise)" if result.winner is default else "")]
     busy = [i for i, t in enumerate(result.trials, 1) if (other_cpu(t) or 0) > BUSY_MACHINE]

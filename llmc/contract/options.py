@@ -95,6 +95,12 @@ class RuntimeOptions:
         return {name: getattr(self, name) for name in self.tunable_names()}
 
     @classmethod
+    def tunable_of(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of `config` (a tuner configuration, say) that tuning.json can hold."""
+        tunable = cls.tunable_names()
+        return {k: v for k, v in config.items() if k in tunable}
+
+    @classmethod
     def given(cls, options: Mapping[str, Any]) -> dict[str, Any]:
         """The options a caller set (None means not set), names checked."""
         unknown = sorted(set(options) - set(cls.names()))

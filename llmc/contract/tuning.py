@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmc.contract.options import RuntimeOptions, format_options
 from llmc.errors import EngineError, LlmcError
 
 TUNING_FILE = "tuning.json"
@@ -25,8 +26,6 @@ _FIX = "delete it or pass --no-tuning (use_tuning=False) to ignore it"
 
 def _check(options: Any) -> dict[str, Any]:
     """The options, validated as RuntimeOptions would take them; LlmcError on the first problem."""
-    from llmc.contract.options import RuntimeOptions
-
     if not isinstance(options, dict):
         raise LlmcError("options is missing or not an object")
     tunable = RuntimeOptions.tunable_names()
@@ -74,8 +73,6 @@ def write_tuning(engine_dir: str | Path, options: dict[str, Any], **info: Any) -
 
 def tuning_line(applied: dict[str, Any]) -> str:
     """What the CLI prints when an LLM loaded with tuning (`applied` = LLM.tuning)."""
-    from llmc.contract.options import format_options
-
     if not applied:
         return f"tuning: {TUNING_FILE} present, every value in it overridden by explicit options"
     return f"tuning: applied {TUNING_FILE} ({format_options(applied)})"
