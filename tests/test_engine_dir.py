@@ -307,10 +307,10 @@ ROLES: dict[str, Callable[[Manifest, str], Manifest]] = {
     "model": lambda m, rel: dataclasses.replace(m, payload=dataclasses.replace(m.payload, model=rel)),
     "weights": lambda m, rel: dataclasses.replace(m, payload=dataclasses.replace(m.payload, weights=rel)),
     "tokenizer": lambda m, rel: dataclasses.replace(m, tokenizer=dataclasses.replace(m.tokenizer, file=rel)),
-    "tokenizer config": lambda m, rel: dataclasses.replace(m, tokenizer=dataclasses.replace(m.tokenizer, config=rel)),
-    "chat template": lambda m, rel: dataclasses.replace(m, tokenizer=dataclasses.replace(m.tokenizer,
+    "tokenizer_config": lambda m, rel: dataclasses.replace(m, tokenizer=dataclasses.replace(m.tokenizer, config=rel)),
+    "chat_template": lambda m, rel: dataclasses.replace(m, tokenizer=dataclasses.replace(m.tokenizer,
                                                                                         chat_template=rel)),
-    "generation config": lambda m, rel: dataclasses.replace(m, generation_config=rel),
+    "generation_config": lambda m, rel: dataclasses.replace(m, generation_config=rel),
 }
 
 

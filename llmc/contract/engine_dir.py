@@ -97,7 +97,7 @@ class EngineWriter:
 
         files = {p.relative_to(self.path).as_posix(): FileEntry(_sha256(p), p.stat().st_size)
                  for p in sorted(self.path.rglob("*")) if p.is_file() and p.name != MANIFEST}
-        missing = [rel for rel in manifest.role_files().values() if rel not in files]
+        missing = [rel for rel in manifest.role_files().values() if rel is not None and rel not in files]
         if missing:  # a compiler bug: never write an engine the runtime would reject
             raise ValueError(f"the manifest names files the engine lacks: {', '.join(missing)}")
         manifest = dataclasses.replace(
@@ -206,12 +206,10 @@ def open_engine(engine_dir: str | Path, *, verify_checksums: bool = True) -> Eng
                               f"file truncated or changed); {rebuild}")
         if verify_checksums and _sha256(path) != entry.sha256:
             raise EngineError(f"engine {root}: checksum mismatch for {rel} (file changed or corrupt); {rebuild}")
-    paths: dict[str, Path] = {}
+    paths: dict[str, Path | None] = {}
     for role, rel in manifest.role_files().items():
-        paths[role] = _inside(root, rel)
-        if rel not in manifest.files:
+        paths[role] = None if rel is None else _inside(root, rel)
+        if rel is not None and rel not in manifest.files:
             raise EngineError(f"engine {root}: its {role} file {rel!r} is not listed in {MANIFEST}; {rebuild}")
     tuning = _inside(root, TUNING_FILE)
-    return EngineFiles(root, manifest, paths["model"], paths.get("weights"), paths["tokenizer"],
-                       paths["tokenizer config"], paths.get("chat template"), paths["generation config"],
-                       tuning if tuning.is_file() else None)
+    return EngineFiles(root=root, manifest=manifest, tuning=tuning if tuning.is_file() else None, **paths)

@@ -124,12 +124,12 @@ class Manifest:
     def max_context(self) -> int:
         return self.build_options.max_context
 
-    def role_files(self) -> dict[str, str]:
-        """Every file the runtime opens, by what it is for."""
-        roles = {"model": self.payload.model, "weights": self.payload.weights, "tokenizer": self.tokenizer.file,
-                 "tokenizer config": self.tokenizer.config, "chat template": self.tokenizer.chat_template,
-                 "generation config": self.generation_config}
-        return {role: rel for role, rel in roles.items() if rel is not None}
+    def role_files(self) -> dict[str, str | None]:
+        """Every file the runtime opens, by what it is for (the EngineFiles field it fills); None
+        where the engine has no such file."""
+        return {"model": self.payload.model, "weights": self.payload.weights, "tokenizer": self.tokenizer.file,
+                "tokenizer_config": self.tokenizer.config, "chat_template": self.tokenizer.chat_template,
+                "generation_config": self.generation_config}
 
     def to_json(self) -> dict[str, Any]:
         return to_json(self)
