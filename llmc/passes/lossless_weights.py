@@ -22,9 +22,8 @@ class LosslessWeight(Rule):
         self.op_type, self.gemm = op_type, cpu.PACKED_GEMMS[op_type]
 
     def pattern(self, op, x):
-        outputs = getattr(op, self.op_type)(x, _domain=cpu.DOMAIN, _other_inputs=True,
-                                            _outputs=self.gemm.num_outputs, _name="node")
-        return outputs
+        return getattr(op, self.op_type)(x, _domain=cpu.DOMAIN, _other_inputs=True, _outputs=self.gemm.num_outputs,
+                                         _name="node")
 
     def check(self, m):
         if len(m.node.inputs) != self.gemm.weight_input + 1:

@@ -171,22 +171,21 @@ class LLM:
                       arrival_time: float | None = None) -> Request:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        vocab = self.engine.spec.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty; pass at least one character of text")
             text, ids = prompt, self.encode(prompt)
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:  # the tokenizer knows tokens the model has no embedding for
-                raise RequestError(f"the prompt encodes to token {self.tokenizer.id_to_token(bad[0])!r} (id {bad[0]}), "
-                                   f"outside the model's vocabulary (0..{vocab - 1}); remove it from the prompt")
         else:
             text, ids = None, [int(t) for t in prompt]
             if not ids:
                 raise RequestError("prompt is empty; pass at least one token id")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        vocab = self.engine.spec.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None and text is not None:  # the tokenizer knows tokens the model has no embedding for
+            raise RequestError(f"the prompt encodes to token {self.tokenizer.id_to_token(bad)!r} (id {bad}), "
+                               f"outside the model's vocabulary (0..{vocab - 1}); remove it from the prompt")
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         limit = self.max_context
         if len(ids) >= limit:
             raise RequestError(f"prompt is {len(ids)} tokens but the engine's max context is {limit}; "
