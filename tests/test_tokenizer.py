@@ -184,6 +184,8 @@ def test_a_token_the_model_lacks_is_a_request_error(engines):
     llm = LLM(engines("tiny-qwen2"))
     with pytest.raises(RequestError, match=r"'<\|endoftext\|>' \(id 1024\), outside the model's vocabulary"):
         llm.generate("hello <|endoftext|>")
+    with pytest.raises(RequestError, match=r"token id 1024 is outside the vocabulary \(0..1023\)"):
+        llm.generate([5, 1024])
     assert llm.blocks.num_free == llm.blocks.capacity
 
 
