@@ -122,16 +122,21 @@ def run(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignor
         click.echo(piece, nl=False)
     click.echo()
     sys.stdout.flush()  # the summary goes to stderr: keep it after the text when both are piped
+    if stream.output.error:
+        raise LlmcError(stream.output.error)
     click.echo(summary_line(stream.output), err=True)
 
 
 def summary_line(output) -> str:
     m = output.metrics
     n = len(output.token_ids)
-    tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot is not None else "n/a"
+
+    def ms(seconds: float | None) -> str:
+        return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
     rate = f"{1 / m.tpot:.1f} tok/s" if m.tpot else "n/a"  # decode rate: one token per TPOT
-    return (f"[{n} tokens, {output.finish_reason}] TTFT {m.ttft * 1e3:.1f} ms · TPOT {tpot} · "
-            f"decode {rate} · E2E {m.e2e * 1e3:.1f} ms")
+    return (f"[{n} tokens, {output.finish_reason}] TTFT {ms(m.ttft)} · TPOT {ms(m.tpot)} · "
+            f"decode {rate} · E2E {ms(m.e2e)}")
 
 
 def _workload_options(num_requests: int, prompt_len: str, output_len: str, qps: str, repeats: int):

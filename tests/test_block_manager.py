@@ -17,6 +17,7 @@ class Seq:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0
+        self.cache_salt = None
 
 
 class BlockManagerMachine(RuleBasedStateMachine):

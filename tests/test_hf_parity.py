@@ -85,3 +85,30 @@ def test_text_prompt_batch_matches_one_at_a_time(llama_engine):
     alone = [llm.generate(p, params) for p in prompts]
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
     assert [o.text for o in together] == [o.text for o in alone]
+
+
+# Models whose attention or RoPE varies: per-layer windows (8 tokens on layer 1 only) and longrope
+# (short factors up to 64 tokens, long beyond). Prompts sit on both sides of the window and of
+# longrope's boundary, and 23 + 48 and 40 + 48 tokens cross the boundary while generating.
+VARIANTS = ("tiny-qwen2-swa", "tiny-phi3-longrope")
+VARIANT_PROMPT_LENS = (23, 9, 40, 100)
+
+
+@pytest.mark.parametrize("recipe", VARIANTS)
+def test_layer_and_rope_variants_match_hf_alone_and_batched(recipe, engines, hf_models):
+    hf, _ = hf_models(recipe)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 1024, n).tolist() for n in VARIANT_PROMPT_LENS]
+    refs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            refs.append(hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist())
+    params = SamplingParams(max_tokens=48)
+    # Default chunks (every prompt in one call) and 32-token chunks (the 100-token prompt in four).
+    for options in ({}, {"chunk_size": 32, "max_num_batched_tokens": 64}):
+        llm = LLM(engines(recipe), **options)
+        batched = [o.token_ids for o in llm.generate(prompts, params)]
+        alone = [llm.generate(p, params).token_ids for p in prompts]
+        assert batched == refs, options
+        assert alone == refs, options
+        assert llm.blocks.num_free == llm.blocks.capacity

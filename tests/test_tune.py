@@ -15,7 +15,7 @@ from llmc.cli import main
 from llmc.contract import open_engine
 from llmc.contract.options import BuildOptions, RuntimeOptions
 from llmc.contract.tuning import TUNING_FILE, read_tuning, write_tuning
-from llmc.errors import EngineError, LlmcError
+from llmc.errors import LlmcError
 from llmc.runtime.llm import LLM
 
 SPACE = SearchSpace(
@@ -259,24 +259,6 @@ def test_runtime_options_merge_and_round_trip_through_tuning_json(engine_copy):
         write_tuning(engine_copy, {"kv_cache_blocks": 8})
 
 
-@pytest.mark.parametrize("content,expected", [
-    ("{oops", "Expecting property name"),
-    ("[1, 2]", "expected a JSON object"),
-    ('{"schema_version": 1}', "options is missing"),
-    ('{"schema_version": 1, "options": {"turbo": true}}', "option 'turbo' is not tunable"),
-    ('{"schema_version": 1, "options": {"max_num_seqs": 0}}', "max_num_seqs must be an integer >= 1"),
-    ('{"schema_version": 1, "options": {"graph_optimization_level": "max"}}', "graph_optimization_level must be"),
-    ('{"schema_version": 9, "options": {}}', "schema_version 9"),
-])
-def test_corrupt_tuning_json_names_the_file_and_the_fix(engine_copy, content, expected):
-    (engine_copy / TUNING_FILE).write_text(content)
-    with pytest.raises(EngineError, match=expected) as info:
-        read_tuning(engine_copy / TUNING_FILE)
-    message = str(info.value)
-    assert "\n" not in message and str(engine_copy / TUNING_FILE) in message and "--no-tuning" in message
-    LLM(engine_copy, use_tuning=False)  # ignoring it works
-
-
 # -- the command ------------------------------------------------------------------------------
 
 def _cli(*args):
@@ -307,9 +289,9 @@ def test_tune_writes_tuning_json_that_run_then_applies(engine_copy, tmp_path):
     result, text = _cli("run", engine_copy, "Hello", "--max-tokens", 3, "--no-tuning")
     assert result.exit_code == 0 and "tuning:" not in text
 
-    (engine_copy / TUNING_FILE).write_text("{")
+    (engine_copy / TUNING_FILE).write_text("{")  # ignored with a warning (tests/test_options.py)
     result, text = _cli("run", engine_copy, "Hello", "--max-tokens", 3)
-    assert result.exit_code == 2 and text.startswith("error: corrupt ") and "--no-tuning" in text
+    assert result.exit_code == 0 and "tuning: applied" not in text
 
 
 @pytest.mark.parametrize("args,expected", [

@@ -147,6 +147,9 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
 
         t = time.perf_counter()
         say("save", f"writing {output}", False)
+        # The weights are nearly all of an engine: what a full disk is told it needed.
+        writer.expected_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values()
+                                    if v.const_value is not None)
         ir.save(model, writer.path / MODEL_FILE, external_data=WEIGHTS_FILE)
         tokenizer = export_tokenizer(folder, writer.path / TOKENIZER_DIR)
         _save_generation_config(folder, spec, writer.path / GENERATION_CONFIG)

@@ -26,6 +26,10 @@ def export_onnx(hf_model, spec: ModelSpec):
     """Export `hf_model` with dynamic batch and sequence dims and return an onnx_ir Model."""
     import torch
 
+    from llmc.compiler.rope import make_rope_per_row
+
+    make_rope_per_row(hf_model)
+
     class LogitsOnly(torch.nn.Module):
         def __init__(self, model):
             super().__init__()
@@ -55,7 +59,10 @@ def export_onnx(hf_model, spec: ModelSpec):
                 optimize=True,
             )
     except Exception as exc:
-        raise ModelError(f"torch.export of {spec.architecture} failed: {first_line(exc)}") from exc
+        while exc.__cause__ is not None:  # torch.onnx wraps the exporter's own reason
+            exc = exc.__cause__
+        raise ModelError(f"torch.export of {spec.architecture} failed ({first_line(exc)}); "
+                         "this model's code is not exportable: report it with the model's config.json") from None
     model = program.model
     model.ir_version = IR_VERSION
     return model
@@ -63,15 +70,14 @@ def export_onnx(hf_model, spec: ModelSpec):
 
 @contextlib.contextmanager
 def _quiet():
-    """The exporter prints progress and warnings meant for its own developers; keep the CLI clean."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
+    """The exporter prints progress, warnings and graph dumps meant for its own developers (through
+    torch's own log handlers, print and warnings); keep the CLI clean. A failure still raises."""
+    disabled = logging.root.manager.disable
+    logging.disable(logging.WARNING)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+        logging.disable(disabled)

@@ -7,6 +7,8 @@ folder with config.json + weights + tokenizer, so one loader serves recipes and 
 from __future__ import annotations
 
 import json
+import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +74,32 @@ def read_config(folder: Path) -> dict[str, Any]:
         raise ModelError(f"cannot read {folder / 'config.json'}: {exc}; is the model folder complete?") from None
 
 
+# model_type -> architecture, for a config.json that names no architectures (transformers loads
+# those by model_type).
+_ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                         "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+# RoPE types whose frequencies are fixed at build time, or made per row at export (longrope,
+# dynamic: see llmc.compiler.rope).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     archs = config.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and not archs:
+        arch = _ARCHITECTURE_OF_TYPE.get(config.get("model_type"))
     if arch is None:
         got = ", ".join(archs) if archs else f"model_type={config.get('model_type')!r}"
         raise ModelError(
             f"unsupported architecture {got}; llmc supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    model_type = config.get("model_type")
+    if model_type not in _ARCHITECTURE_OF_TYPE:
+        # transformers would build such a model from the folder's own Python (auto_map), or not at all.
+        code = " and its own Python code (auto_map), which llmc never runs" if config.get("auto_map") else ""
+        raise ModelError(f"config.json names model_type {model_type!r}{code}; llmc loads the model types "
+                         f"{', '.join(_ARCHITECTURE_OF_TYPE)} with transformers' built-in code")
     family = SUPPORTED_ARCHITECTURES[arch]
     heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
@@ -93,6 +113,16 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     rope_scaling = config.get("rope_scaling")
     if rope_scaling is None and rope.get("rope_type", "default") != "default":
         rope_scaling = rope
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelError(f"rope type {rope_type!r} is not supported; llmc supports {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "longrope":  # older Phi-3 configs keep the boundary beside rope_scaling
+        boundary = rope_scaling.get("original_max_position_embeddings",
+                                    config.get("original_max_position_embeddings"))
+        if not isinstance(boundary, int) or boundary < 1:
+            raise ModelError("a longrope config needs original_max_position_embeddings (a positive integer); "
+                             "fix config.json")
+        rope_scaling = {**rope_scaling, "original_max_position_embeddings": boundary}
     return ModelSpec(
         family=family,
         architecture=arch,
@@ -110,9 +140,28 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,
         sliding_window=int(window) if window else None,
+        layer_types=_layer_types(config, family, window),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
+
+
+def _layer_types(config: dict[str, Any], family: str, window: int | None) -> tuple[str, ...]:
+    """Which layers attend within the window, as transformers decides it; () when all layers do.
+
+    Of the supported families only Qwen2 mixes layer kinds (its first max_window_layers layers
+    attend in full); Mistral and Phi-3 window every layer and ignore layer_types."""
+    if not window or family != "qwen2":
+        return ()
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types")
+    if types is None:
+        first_windowed = config.get("max_window_layers", 28)  # transformers' Qwen2Config default
+        types = ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise ModelError(f"config.json layer_types must list one of {', '.join(LAYER_TYPES)} for each of the "
+                         f"{layers} layers (got {types!r}); fix config.json")
+    return () if all(t == "sliding_attention" for t in types) else tuple(types)
 
 
 def load_hf_model(folder: Path):
@@ -123,9 +172,16 @@ def load_hf_model(folder: Path):
 
     transformers.utils.logging.disable_progress_bar()  # llmc's own progress reports stages
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="sdpa"
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's unpickler warns about protocols, not about safety
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=False
+            )
+    except pickle.UnpicklingError:
+        # transformers reads .bin files with torch.load(weights_only=True), which refuses anything
+        # but tensors; the error's own advice (weights_only=False) would run the file's code.
+        raise ModelError(f"the .bin weights in {folder} hold more than tensors (pickled objects that would run "
+                         "code), so llmc will not load them; get the checkpoint as .safetensors") from None
     except OSError as exc:
         raise ModelError(f"cannot load weights from {folder}: {first_line(exc)}") from None
     return model.eval()

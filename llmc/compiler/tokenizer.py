@@ -97,7 +97,7 @@ def _load(folder: Path):
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(folder)
+        tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as exc:
         raise ModelError(f"cannot load a tokenizer from {folder} ({first_line(exc).rstrip(': ')}); "
                          "the model folder needs tokenizer.json and tokenizer_config.json") from None

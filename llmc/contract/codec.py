@@ -13,6 +13,8 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+from llmc.errors import LlmcError
+
 
 class ContractError(ValueError):
     """A contract document (manifest, tuning file) that does not match its declared shape."""
@@ -58,7 +60,7 @@ def _dataclass(cls: type, data: Any, where: str) -> Any:
         return cls(**values)
     except ContractError:
         raise
-    except (TypeError, ValueError) as exc:  # the dataclass's own checks (__post_init__)
+    except (TypeError, ValueError, LlmcError) as exc:  # the dataclass's own checks (__post_init__)
         raise ContractError(f"{where}: {exc}") from None
 
 

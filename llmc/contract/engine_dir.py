@@ -11,6 +11,7 @@ read arbitrary files) and verifies sizes and checksums, all before any backend p
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -28,6 +29,9 @@ from llmc.errors import EngineError
 
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20  # bounded memory while hashing multi-GiB weight files
+# Writes that fail for want of room, and what frees it.
+_NO_ROOM = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space, raise your disk quota",
+            errno.EFBIG: "raise the file-size limit (ulimit -f)"}
 
 
 def _sha256(path: Path) -> str:
@@ -45,6 +49,10 @@ def _hidden_sibling(target: Path, tag: str) -> Path:
         if not (path.exists() or path.is_symlink()):
             return path
     raise EngineError(f"cannot pick a temporary name in {target.parent}; remove stale .{target.name}.{tag}-* folders")
+
+
+def _gib_or_mib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _check_target(target: Path, overwrite: bool) -> None:
@@ -65,13 +73,15 @@ class EngineWriter:
 
     Until `commit` succeeds nothing exists at `target`; leaving the `with` block without
     committing (an exception, Ctrl-C) deletes the temp dir. With `overwrite`, an existing engine
-    is swapped out only once the new one is complete.
+    is swapped out only once the new one is complete. A write that fails for want of room (a full
+    disk, a quota, a file-size limit) ends as a one-line EngineError naming the room needed.
     """
 
     def __init__(self, target: str | Path, overwrite: bool = False) -> None:
         self.target = Path(target).absolute()
         self.overwrite = overwrite
         self.path: Path | None = None
+        self.expected_bytes = 0  # the engine's size, once the build knows it: for the out-of-space error
         self._committed = False
 
     def __enter__(self) -> "EngineWriter":
@@ -88,6 +98,14 @@ class EngineWriter:
                  tb: TracebackType | None) -> None:
         if self.path is not None and not self._committed:
             shutil.rmtree(self.path, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in _NO_ROOM:
+            raise EngineError(self._no_room(exc)) from None
+
+    def _no_room(self, exc: OSError) -> str:
+        free = shutil.disk_usage(self.target.parent).free  # measured after the partial engine is gone
+        need = f"about {_gib_or_mib(self.expected_bytes)}" if self.expected_bytes else "more room"
+        return (f"cannot write engine {self.target}: {exc.strerror}; it needs {need} and {self.target.parent} "
+                f"has {_gib_or_mib(free)} free; {_NO_ROOM[exc.errno]} or choose another -o")
 
     def commit(self, manifest: Manifest) -> Path:
         """List and hash the payload into the manifest, write it and move the engine to the target."""
@@ -155,6 +173,20 @@ def read_json_object(path: Path, corrupt: Callable[[str], Exception],
     if not isinstance(data, dict):
         raise corrupt(f"expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def read_eos_token_ids(path: Path) -> tuple[int, ...]:
+    """The eos_token_id of an engine's generation_config.json (an id, a list of ids or null)."""
+    def corrupt(why: str) -> EngineError:
+        return EngineError(f"corrupt {path} ({why}); rebuild the engine with `llmc build`")
+
+    data = read_json_object(path, corrupt, lambda why: EngineError(f"cannot read {path} ({why}); "
+                                                                   "check its permissions"))
+    value = data.get("eos_token_id")
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise corrupt(f"eos_token_id: expected a token id >= 0 or a list of them, got {value!r}")
+    return tuple(ids)
 
 
 def _inside(root: Path, rel: str) -> Path:

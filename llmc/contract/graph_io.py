@@ -8,6 +8,8 @@ One step of the paged contract (design §4) runs rows of equal padded length S:
            and per layer kv_cache_out.{i}, which the runtime binds to the same buffer as
            kv_cache.{i}: the cache is written in place.
 Block 0 of every pool is scratch: padding tokens write there and no sequence is given it.
+A row's padding slots of position_ids hold the last position of the row's known sequence, so
+the row's largest position id is its length - 1: length-dependent RoPE (longrope) reads it there.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ SCRATCH_BLOCK = 0
 
 # Symbolic dimension names in the graph.
 BATCH, SEQ, MAX_BLOCKS, NUM_BLOCKS = "batch", "seq", "max_blocks", "num_blocks"
+STEP_SHAPES = {INPUT_IDS: (BATCH, SEQ), POSITION_IDS: (BATCH, SEQ), PAST_LENS: (BATCH,), QUERY_LENS: (BATCH,),
+               BLOCK_TABLES: (BATCH, MAX_BLOCKS)}
 
 LogitsMode = Literal["last", "all"]
 
@@ -75,3 +79,41 @@ class GraphIO:
 
     def caches(self) -> list[tuple[str, str]]:
         return caches(self.num_layers)
+
+
+Dim = int | str | None  # a size, a symbolic dimension's name, or None: unknown
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """A graph input's or output's element type (numpy's name) and shape. `keys` names, per
+    dimension, the manifest key its size comes from (empty for a graph's own tensors)."""
+
+    dtype: str
+    shape: tuple[Dim, ...]
+    keys: tuple[str | None, ...] = ()
+
+
+def _shape_text(shape: tuple[Dim, ...]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def disagreement(kind: str, graph: dict[str, TensorType], manifest: dict[str, TensorType]) -> str | None:
+    """The first way a graph's inputs (or outputs: `kind`) differ from what the manifest says they
+    are, in words; None when they agree. A symbolic or unknown size agrees with any."""
+    missing = [name for name in manifest if name not in graph]
+    extra = [name for name in graph if name not in manifest]
+    if missing or extra:
+        which = f"{missing[0]} is not in the graph" if missing else f"the manifest's io lacks {extra[0]}"
+        return f"the graph has {len(graph)} {kind}s, the manifest's io names {len(manifest)}: {which}"
+    for name, want in manifest.items():
+        have = graph[name]
+        if have.dtype != want.dtype:
+            return f"{kind} {name} is {have.dtype} in the graph, {want.dtype} per the manifest"
+        differ = [i for i, (size, expected) in enumerate(zip(have.shape, want.shape))
+                  if isinstance(size, int) and isinstance(expected, int) and size != expected]
+        if differ or len(have.shape) != len(want.shape):
+            key = want.keys[differ[0]] if differ and want.keys and want.keys[differ[0]] else None
+            return (f"{kind} {name} has shape {_shape_text(have.shape)} in the graph, {_shape_text(want.shape)} "
+                    f"per the manifest" + (f"'s {key}" if key else ""))
+    return None

@@ -10,14 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from llmc.contract import kv_layout
+from llmc.contract import graph_io, kv_layout
 from llmc.contract.codec import ContractError, from_json, to_json
-from llmc.contract.graph_io import GraphIO
+from llmc.contract.graph_io import GraphIO, TensorType
 from llmc.contract.model_spec import ModelSpec
 from llmc.contract.options import BuildOptions
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4  # 4: model_spec.layer_types
 DTYPE_BYTES = {"float32": 4}
+# Sizes that are counts: a hand-edited 0 or negative one would divide by zero or shape nothing.
+_SIZES = {"model_spec": ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                         "vocab_size", "max_position_embeddings"),
+          "kv_cache": ("block_size", "num_layers", "num_kv_heads", "head_dim")}
 
 
 @dataclass(frozen=True)
@@ -114,9 +118,21 @@ class Manifest:
     def __post_init__(self):
         if self.build_options.max_context is None:
             raise ContractError("build_options.max_context: expected the resolved context length, got null")
+        for section, names in _SIZES.items():
+            for name in names:
+                value = getattr(getattr(self, section), name)
+                if value < 1:
+                    raise ContractError(f"{section}.{name}: expected an integer >= 1, got {value}")
         if self.kv_cache.block_size != self.build_options.block_size:
             raise ContractError(f"kv_cache.block_size {self.kv_cache.block_size} differs from build_options."
                                 f"block_size {self.build_options.block_size}")
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            cache, spec = getattr(self.kv_cache, name), getattr(self.model_spec, name)
+            if cache != spec:
+                raise ContractError(f"kv_cache.{name} {cache} differs from model_spec.{name} {spec}")
+        if self.max_context > self.model_spec.max_position_embeddings:
+            raise ContractError(f"build_options.max_context {self.max_context} exceeds model_spec."
+                                f"max_position_embeddings {self.model_spec.max_position_embeddings}")
         if self.io != GraphIO.paged(self.kv_cache.num_layers, self.io.logits):
             raise ContractError(f"io: not the paged-attention interface of a {self.kv_cache.num_layers}-layer engine")
 
@@ -130,6 +146,21 @@ class Manifest:
         return {"model": self.payload.model, "weights": self.payload.weights, "tokenizer": self.tokenizer.file,
                 "tokenizer_config": self.tokenizer.config, "chat_template": self.tokenizer.chat_template,
                 "generation_config": self.generation_config}
+
+    def graph_types(self) -> tuple[dict[str, TensorType], dict[str, TensorType]]:
+        """The inputs and outputs the engine's graph must have, each fixed size labelled with the
+        key it comes from, for graph_io.disagreement to hold the graph against."""
+        kv, vocab = self.kv_cache, self.model_spec.vocab_size
+        pool_keys = kv_layout.pool_shape(kv.layout, None, "kv_cache.block_size", "kv_cache.num_kv_heads",
+                                         "kv_cache.head_dim")
+        pool = TensorType(kv.dtype, kv.pool_shape(graph_io.NUM_BLOCKS), (None, *pool_keys[1:]))
+        rows = (graph_io.BATCH,) if self.io.logits == "last" else (graph_io.BATCH, graph_io.SEQ)
+        inputs = {name: TensorType(dtype, graph_io.STEP_SHAPES[name]) for name, dtype in graph_io.STEP_INPUTS.items()}
+        logits_keys = (*(None for _ in rows), "model_spec.vocab_size")
+        outputs = {graph_io.LOGITS: TensorType("float32", (*rows, vocab), logits_keys)}
+        for cache_in, cache_out in self.io.caches():
+            inputs[cache_in] = outputs[cache_out] = pool
+        return inputs, outputs
 
     def to_json(self) -> dict[str, Any]:
         return to_json(self)

@@ -8,7 +8,9 @@ so the runtime knows the model without importing transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+LayerType = Literal["full_attention", "sliding_attention"]
 
 
 @dataclass(frozen=True)
@@ -29,5 +31,28 @@ class ModelSpec:
     tie_word_embeddings: bool
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
+    # Per layer, when the layers differ (Qwen2's max_window_layers); () when every layer attends
+    # the same way (all within sliding_window if it is set, else all in full).
+    layer_types: tuple[LayerType, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers, num_layers is {self.num_layers}")
+
+    def window(self, layer: int) -> int:
+        """The sliding window of layer `layer` in tokens; 0 for full attention."""
+        if not self.sliding_window or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return 0
+        return self.sliding_window
+
+    @property
+    def longrope_boundary(self) -> int | None:
+        """The sequence length beyond which longrope rotates with its long factors (None: not
+        longrope). The graph reads each row's length from its largest position id
+        (llmc.contract.graph_io.POSITION_IDS)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) != "longrope":
+            return None
+        return int(scaling["original_max_position_embeddings"])

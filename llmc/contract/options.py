@@ -4,12 +4,14 @@
 variant of an engine is `dataclasses.replace(manifest.build_options, ...)` built again.
 `RuntimeOptions` shape a running `LLM`; `llmc tune` writes the tunable ones to tuning.json and
 `LLM` reads them back. Both validate on construction: a bad value is a one-line LlmcError.
+Where the machine is the limit it is the bound: num_threads by its CPUs, kv_cache_bytes by its memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +21,11 @@ from llmc.errors import LlmcError
 # ONNX Runtime's graph optimization levels, by the short names users give.
 GRAPH_OPTIMIZATION_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
                              "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+
+# Upper bounds that only catch typos: a step's logits grow with its rows and its activations with
+# its tokens, and a CPU step of 64 Ki tokens already takes minutes.
+MAX_NUM_SEQS = 4096
+MAX_STEP_TOKENS = 65536
 
 
 @dataclass(frozen=True)
@@ -72,15 +79,17 @@ class RuntimeOptions:
         kind = _TYPES[name]
         if value is None and "None" in kind:
             return
-        if "int" in kind and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise LlmcError(f"{name} must be an integer >= 1 (got {value!r})")
+        if "int" in kind:
+            low, high, what = _int_range(name)
+            in_range = isinstance(value, int) and value >= low and (high is None or value <= high)
+            if isinstance(value, bool) or not in_range:
+                limit = f" and <= {high}{what}" if high is not None else ""
+                raise LlmcError(f"{name} must be an integer >= {low}{limit} (got {value!r})")
         if kind == "bool" and not isinstance(value, bool):
             raise LlmcError(f"{name} must be True or False (got {value!r})")
-        if name == "graph_optimization_level" and value not in GRAPH_OPTIMIZATION_LEVELS:
+        if name == "graph_optimization_level" and not (isinstance(value, str) and value in GRAPH_OPTIMIZATION_LEVELS):
             raise LlmcError(f"graph_optimization_level must be one of {', '.join(GRAPH_OPTIMIZATION_LEVELS)} "
                             f"(got {value!r})")
-        if name == "kv_cache_blocks" and value < 2:
-            raise LlmcError(f"kv_cache_blocks must be >= 2 (got {value})")
 
     @staticmethod
     def names() -> tuple[str, ...]:
@@ -102,11 +111,15 @@ class RuntimeOptions:
 
     @classmethod
     def given(cls, options: Mapping[str, Any]) -> dict[str, Any]:
-        """The options a caller set (None means not set), names checked."""
+        """The options a caller set (None means not set), names and values checked: a bad one is
+        reported before anything (tuning.json, the engine) is read."""
         unknown = sorted(set(options) - set(cls.names()))
         if unknown:
             raise LlmcError(f"unknown option {unknown[0]!r}; options are: {', '.join(cls.names())}")
-        return {k: v for k, v in options.items() if v is not None}
+        given = {k: v for k, v in options.items() if v is not None}
+        for name, value in given.items():
+            cls.check_value(name, value)
+        return given
 
     @classmethod
     def merge(cls, given: Mapping[str, Any], tuned: Mapping[str, Any] | None) -> tuple["RuntimeOptions",
@@ -119,6 +132,22 @@ class RuntimeOptions:
 
 
 _TYPES = {f.name: f.type for f in dataclasses.fields(RuntimeOptions)}  # annotations, as text
+
+
+def _int_range(name: str) -> tuple[int, int | None, str]:
+    """(lowest, highest or None, what the highest is) of an integer option, on this machine."""
+    if name == "num_threads":
+        # ORT's intra-op threads spin while they wait for work: threads beyond the logical CPUs only
+        # preempt each other, and a million of them never finish starting.
+        return 1, os.cpu_count() or 1, ", this machine's logical CPU count"
+    if name == "kv_cache_bytes":
+        import psutil
+
+        total = psutil.virtual_memory().total
+        return 1, total, f", this machine's memory ({total / 2**30:.1f} GiB)"
+    if name == "kv_cache_blocks":
+        return 2, None, ""  # a block's bytes come with the engine, which checks the pool fits in memory
+    return 1, MAX_NUM_SEQS if name == "max_num_seqs" else MAX_STEP_TOKENS, ""
 
 
 def format_options(options: Mapping[str, Any]) -> str:

@@ -7,11 +7,21 @@ directory, so a stale tuning.json cannot outlive the build it was measured on.
 Format: {"schema_version": 1, "options": {tunable RuntimeOptions}, ...}; the other keys
 (objective, workload, measurements) are for people. `LLM` applies `options` unless told
 `use_tuning=False` (`--no-tuning`); an option given explicitly wins over its tuned value.
+
+Nothing vouches for the file (it is outside the checksums) and it may have been tuned on another
+machine, so its options are validated like explicit ones (num_threads at most this machine's CPUs,
+...). A bad tuning.json (corrupt JSON, another schema, a key that is not tunable, a value or a
+combination RuntimeOptions rejects) is IGNORED: the LLM runs as if it were absent, and one warning
+line naming the file and the problem goes to the `llmc.contract.tuning` logger. A stale speed-up
+must not stop an engine from serving. It is a log record rather than `warnings.warn` so that every
+load reports it (not only the first), and so that with logging unconfigured, as under the CLI,
+Python prints it to stderr as the bare line, like "tuning: applied ...".
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +31,8 @@ from llmc.errors import EngineError, LlmcError
 
 TUNING_FILE = "tuning.json"
 TUNING_SCHEMA_VERSION = 1
-_FIX = "delete it or pass --no-tuning (use_tuning=False) to ignore it"
+
+log = logging.getLogger(__name__)
 
 
 def _check(options: Any) -> dict[str, Any]:
@@ -32,25 +43,23 @@ def _check(options: Any) -> dict[str, Any]:
     for name in options:
         if name not in tunable:
             raise LlmcError(f"option {name!r} is not tunable; tunable options are {', '.join(tunable)}")
-    for name, value in options.items():
-        RuntimeOptions.check_value(name, value)
+    RuntimeOptions(**options)  # each value, and the values together with the defaults of the others
     return dict(options)
 
 
-def read_tuning(path: Path) -> dict[str, Any]:
-    """The tuned options in `path` (an engine's tuning.json, as `open_engine` found it)."""
+def read_tuning(path: Path) -> dict[str, Any] | None:
+    """The tuned options in `path` (an engine's tuning.json, as `open_engine` found it); None, with
+    a warning naming the file and the problem, when it is unusable."""
     from llmc.contract.engine_dir import read_json_object
 
-    def corrupt(why: str) -> EngineError:
-        return EngineError(f"corrupt {path} ({why}); {_FIX}")
-
-    data = read_json_object(path, corrupt, lambda why: EngineError(f"cannot read {path} ({why}); {_FIX}"))
-    if data.get("schema_version") != TUNING_SCHEMA_VERSION:
-        raise corrupt(f"schema_version {data.get('schema_version')!r}, this llmc reads {TUNING_SCHEMA_VERSION}")
     try:
+        data = read_json_object(path, lambda why: LlmcError(f"corrupt: {why}"), LlmcError)
+        if data.get("schema_version") != TUNING_SCHEMA_VERSION:
+            raise LlmcError(f"schema_version {data.get('schema_version')!r}, this llmc reads {TUNING_SCHEMA_VERSION}")
         return _check(data.get("options"))
     except LlmcError as exc:
-        raise corrupt(str(exc)) from None
+        log.warning("tuning: ignored %s (%s); fix or delete it, or run `llmc tune` again", path, exc)
+        return None
 
 
 def write_tuning(engine_dir: str | Path, options: dict[str, Any], **info: Any) -> Path:

@@ -53,7 +53,7 @@ class AttentionToPaged(Rule):
         attrs = pa.PagedAttentionAttrs(
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
             scale=node.attributes.get_float("scale", 1.0 / math.sqrt(spec.head_dim)),
-            sliding_window=spec.sliding_window or 0, softcap=node.attributes.get_float("softcap", 0.0))
+            sliding_window=spec.window(layer), softcap=node.attributes.get_float("softcap", 0.0))
         out, cache_out = op.op(
             pa.OP_TYPE, m.q, m.k, m.v, cache, op.graph_input(io.PAST_LENS, I32, [io.BATCH]),
             op.graph_input(io.QUERY_LENS, I32, [io.BATCH]),

@@ -4,6 +4,12 @@ The engine loop runs in a worker thread (a step is numpy + ONNX Runtime, which r
 so the event loop stays free to accept requests. Each request gets an async iterator of
 RequestOutput snapshots (cumulative tokens and text, plus the `delta` text since the previous
 snapshot); `abort` frees its blocks at once.
+
+Every stream ends with a finished snapshot ("stop", "length", "abort" or "error"). A stream is
+closed exactly when its final snapshot is queued, by whichever comes first: the step result that
+finishes the request, a successful abort, or an engine failure. A step's results can reach the
+loop after an abort; an abort can land while the step that finishes the request is in flight
+(it then returns False and that step's result ends the stream).
 """
 
 from __future__ import annotations
@@ -20,52 +26,73 @@ from llmc.runtime.request import RequestOutput
 from llmc.runtime.sampling import SamplingParams
 
 
+class _Stream:
+    def __init__(self, out: RequestOutput):
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.out = out  # the live output, for the last snapshot when no step result will come
+        self.sent = 0  # characters of text the queued deltas carry
+
+
 class AsyncLLM:
     def __init__(self, engine_dir: str | Path, **options):
         self.llm = LLM(engine_dir, **options)
         self._lock = threading.Lock()  # the scheduler is touched by the worker thread and the loop
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}  # open streams; touched on the loop only
         self._loop_task: asyncio.Task | None = None
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                           request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Queue a request (validation errors raise here) and return its stream of outputs."""
-        with self._lock:
+        """Queue a request (validation errors raise here) and return its stream of outputs.
+        Closing the stream before its final snapshot aborts the request."""
+        with self._lock:  # output() is None once the request finished: take it before a step can run
             rid = self.llm.add_request(prompt, params, request_id)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
+            stream = self._streams[rid] = _Stream(self.llm.output(rid))
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
-        return self._outputs(rid, queue)
+        return self._outputs(rid, stream)
 
     def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; its stream ends with an "abort" snapshot. False if
+        it is unknown or already finished (its stream then still gets its final snapshot)."""
         with self._lock:
-            output = self.llm.output(request_id)
             aborted = self.llm.abort(request_id)
-        queue = self._queues.pop(request_id, None)
-        if aborted and queue is not None:
-            queue.put_nowait(copy.copy(output))  # the final, aborted snapshot ends the stream
+        if aborted and request_id in self._streams:
+            self._end(request_id)
         return aborted
 
+    def _end(self, rid: str, error: str | None = None) -> None:
+        """Queue a stream's last snapshot from its live output and close the stream."""
+        stream = self._streams.pop(rid)
+        out = copy.copy(stream.out)
+        out.token_ids = list(out.token_ids)
+        out.delta = out.text[stream.sent:]  # also the text of a step result that will be dropped
+        if error is not None and out.finish_reason in (None, "abort"):
+            out.finish_reason, out.error = "error", error
+        stream.queue.put_nowait(out)
+
     def _fail_all(self, message: str) -> None:
-        for rid in list(self._queues):
-            with self._lock:
-                output = self.llm.output(rid)
-                self.llm.abort(rid)
-            if output is not None:
-                output.finish_reason, output.error = "error", message
-                self._queues.pop(rid).put_nowait(copy.copy(output))
+        for rid in list(self._streams):
+            try:
+                with self._lock:
+                    self.llm.abort(rid)
+            except Exception:  # the engine is already broken; ending the stream is what matters
+                pass
+            self._end(rid, error=message)
 
-    async def _outputs(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        while True:
-            out = await queue.get()
-            yield out
-            if out.finished:
-                return
+    async def _outputs(self, rid: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                out = await stream.queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if self._streams.get(rid) is stream:  # closed early: nobody will read the rest
+                self.abort(rid)
 
-    def _step(self):
+    def _step(self) -> list[tuple[RequestOutput, RequestOutput]]:
         with self._lock:
-            return [(r.request_id, self._snapshot(r)) for r in self.llm.step()]
+            return [(r.out, self._snapshot(r)) for r in self.llm.step()]
 
     @staticmethod
     def _snapshot(request) -> RequestOutput:
@@ -82,9 +109,11 @@ class AsyncLLM:
             except Exception as exc:  # end every open stream rather than leave its consumer waiting
                 self._fail_all(f"engine loop failed: {first_line(exc)}")
                 return
-            for rid, out in results:
-                queue = self._queues.get(rid)
-                if queue is not None:
-                    queue.put_nowait(out)
-                    if out.finished:
-                        del self._queues[rid]
+            for live, out in results:
+                stream = self._streams.get(out.request_id)
+                if stream is None or stream.out is not live:  # aborted while the step ran (its id may be reused)
+                    continue
+                stream.sent += len(out.delta)
+                stream.queue.put_nowait(out)
+                if out.finished:
+                    del self._streams[out.request_id]

@@ -21,6 +21,8 @@ from llmc.errors import EngineError, LlmcError, first_line
 from llmc.plugins import cpu
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
+              "tensor(int32)": "int32"}  # ORT's element type names, as numpy's
 
 
 def _import_ort():
@@ -43,6 +45,7 @@ class Engine:
         self.block_size = self.kv.block_size
         self.max_context = manifest.max_context
         self.io = manifest.io
+        self.num_blocks = self._pool_blocks(options.kv_cache_blocks, options.kv_cache_bytes)  # before the slow load
 
         ort = _import_ort()
         opts = ort.SessionOptions()
@@ -68,9 +71,9 @@ class Engine:
         except Exception as exc:
             raise EngineError(f"ONNX Runtime cannot load {files.model} ({first_line(exc)}); "
                               "rebuild the engine with this llmc version") from None
+        self._check_graph()
         self.num_threads = opts.intra_op_num_threads
 
-        self.num_blocks = self._pool_blocks(options.kv_cache_blocks, options.kv_cache_bytes)
         shape = self.kv.pool_shape(self.num_blocks)
         self._pools = []
         self._binding = self.session.io_binding()
@@ -84,16 +87,37 @@ class Engine:
         self._steps: dict[tuple[int, int, int], _StepBuffers] = {}
         self._bound: _StepBuffers | None = None
 
+    def _check_graph(self) -> None:
+        """Hold the loaded graph's inputs and outputs against the manifest, so an edited manifest
+        fails here in one line rather than at the first step."""
+        inputs, outputs = self.manifest.graph_types()
+        for kind, expected, args in (("input", inputs, self.session.get_inputs()),
+                                     ("output", outputs, self.session.get_outputs())):
+            graph = {a.name: io.TensorType(_ORT_TYPES.get(a.type, a.type), tuple(a.shape)) for a in args}
+            problem = io.disagreement(kind, graph, expected)
+            if problem:
+                raise EngineError(f"engine {self.dir}: {self.files.model.name} does not match the manifest "
+                                  f"({problem}); rebuild it with `llmc build`")
+
     def _pool_blocks(self, blocks: int | None, budget: int | None) -> int:
-        if blocks is not None:
-            return blocks
         per_block = self.kv.block_bytes
-        budget = DEFAULT_KV_CACHE_BYTES if budget is None else budget
-        if budget < 2 * per_block:
-            raise LlmcError(f"kv_cache_bytes {budget} holds fewer than 2 blocks of {per_block} bytes; raise it")
-        # No point in more than a full context for 64 sequences.
-        cap = 64 * -(-self.max_context // self.block_size) + 1
-        return int(min(budget // per_block, cap))
+        option, value = ("kv_cache_blocks", blocks) if blocks is not None else ("kv_cache_bytes", budget)
+        if blocks is None:
+            budget = DEFAULT_KV_CACHE_BYTES if budget is None else budget
+            if budget < 2 * per_block:
+                raise LlmcError(f"kv_cache_bytes {budget} holds fewer than 2 blocks of {per_block} bytes; raise it")
+            # No point in more than a full context for 64 sequences.
+            cap = 64 * -(-self.max_context // self.block_size) + 1
+            blocks = int(min(budget // per_block, cap))
+        import psutil
+
+        # The pool is zero-filled at load: one larger than free memory swaps or gets the process killed.
+        available = psutil.virtual_memory().available
+        if blocks * per_block > available:
+            raise LlmcError(f"{option} {value} makes a KV pool of {blocks * per_block / 2**20:,.1f} MiB ({blocks} "
+                            f"blocks of {per_block} bytes) but this machine has {available / 2**20:,.1f} MiB "
+                            f"available; lower {option}")
+        return blocks
 
     @property
     def kv_bytes(self) -> int:

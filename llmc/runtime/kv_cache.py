@@ -8,7 +8,7 @@ evict its hash. Block 0 is the graph's scratch block (padding writes land there)
 handed out.
 
 A sequence (anything with `token_ids`, `block_table`, `num_computed_tokens`,
-`num_hashed_blocks`) meets the manager
+`num_hashed_blocks`, `cache_salt`) meets the manager
 through four verbs: `allocate_prefix` (take cached blocks for its prompt), `can_append` /
 `append` (grow its table to cover tokens it is about to compute), `commit` (hash blocks that
 have become full) and `free`.
@@ -27,6 +27,8 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 def chain_hash(prefix_hash: int | None, tokens: tuple[int, ...]) -> int:
+    """`prefix_hash` is the previous block's hash, or for the first block the sequence's cache
+    salt: what else than its tokens a block's contents depend on (None: nothing)."""
     return hash((prefix_hash, tokens))
 
 
@@ -89,7 +91,7 @@ class BlockManager:
         tokens = seq.token_ids
         if not self.enable_prefix_caching:
             return 0
-        prefix: int | None = None
+        prefix = seq.cache_salt
         for i in range((len(tokens) - 1) // self.block_size):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             prefix = chain_hash(prefix, chunk)
@@ -133,7 +135,7 @@ class BlockManager:
             return
         full = seq.num_computed_tokens // self.block_size
         start = seq.num_hashed_blocks
-        prefix = self._blocks[seq.block_table[start - 1]].hash if start else None
+        prefix = self._blocks[seq.block_table[start - 1]].hash if start else seq.cache_salt
         for i in range(start, full):
             block = self._blocks[seq.block_table[i]]
             if block.hash is None:

@@ -8,14 +8,13 @@ another: padding a decode row to a chunk's length would multiply its cost.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from llmc.contract.engine_dir import open_engine
+from llmc.contract.engine_dir import open_engine, read_eos_token_ids
 from llmc.contract.graph_io import SCRATCH_BLOCK
 from llmc.contract.options import RuntimeOptions
 from llmc.contract.tuning import read_tuning
@@ -68,10 +67,7 @@ class LLM:
         self.computed_tokens = 0  # tokens run through the model (prefill + decode), all requests
 
     def _eos_ids(self, generation_config: Path) -> frozenset[int]:
-        eos = set(self.engine.spec.eos_token_ids)
-        value = json.loads(generation_config.read_text()).get("eos_token_id")
-        eos |= set(value if isinstance(value, list) else [value] if value is not None else [])
-        return frozenset(eos)
+        return frozenset(self.engine.spec.eos_token_ids) | frozenset(read_eos_token_ids(generation_config))
 
     @property
     def max_context(self) -> int:
@@ -130,12 +126,32 @@ class LLM:
             if r.out.finished:
                 self.scheduler.finish(r)
                 self._requests.pop(r.request_id, None)
+            elif self._crosses_longrope_boundary(r):
+                self.scheduler.recompute(r)
+                r.cache_salt = self._rope_factors(r)
         return updated
+
+    def _rope_factors(self, request: Request) -> int | None:
+        """Which longrope factors rotate the request's cached keys (1: long, 0: short; None
+        without longrope): cached blocks are shared only between sequences that agree."""
+        boundary = self.engine.spec.longrope_boundary
+        return None if boundary is None else int(len(request.token_ids) > boundary)
+
+    def _crosses_longrope_boundary(self, request: Request) -> bool:
+        """True when a sequence grows past longrope's boundary with its cache rotated by the short
+        factors: like transformers, it is then computed again, all of it with the long factors."""
+        boundary = self.engine.spec.longrope_boundary
+        return boundary is not None and request.num_computed_tokens == boundary < len(request.token_ids)
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None):
         """Run prompts in flight together; one prompt returns a RequestOutput, many a list."""
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
+        if isinstance(prompts, np.ndarray):
+            single = prompts.ndim != 2  # a 2-D array is a batch of token-id rows
+        elif isinstance(prompts, (list, tuple)):  # a batch, unless it is one prompt of (would-be) token ids
+            single = len(prompts) > 0 and isinstance(prompts[0], (int, float, np.number, np.bool_))
+        else:
+            single = True  # a str, or a bad prompt that _make_request explains
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise RequestError("no prompts given; pass a string or a list of strings")
@@ -164,6 +180,7 @@ class LLM:
     # -- internals --------------------------------------------------------------------------
 
     def _enqueue(self, request: Request) -> None:
+        request.cache_salt = self._rope_factors(request)
         self._requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -171,14 +188,7 @@ class LLM:
                       arrival_time: float | None = None) -> Request:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("prompt is empty; pass at least one character of text")
-            text, ids = prompt, self.encode(prompt)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-            if not ids:
-                raise RequestError("prompt is empty; pass at least one token id")
+        text, ids = self._prompt_ids(prompt)
         vocab = self.engine.spec.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None and text is not None:  # the tokenizer knows tokens the model has no embedding for
@@ -206,6 +216,36 @@ class LLM:
         self._next_order += 1
         return Request(str(request_id), self._next_order, text, ids, params, self.tokenizer, self.eos_ids,
                        arrival_time)
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; anything else is a RequestError saying what a prompt may be."""
+        forms = "a prompt may be a non-empty str, or a non-empty list of int token ids"
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty; pass at least one character of text")
+            try:
+                prompt.encode()
+            except UnicodeEncodeError as exc:  # a lone surrogate, which the tokenizer rejects with a TypeError
+                raise RequestError(f"prompt has an unpaired surrogate {prompt[exc.start]!r} at index {exc.start}, "
+                                   f"which is not valid Unicode; remove it ({forms})") from None
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray)):  # a sequence of ints: it would run as one token id per byte
+            raise RequestError(f"prompt is {type(prompt).__name__}; decode it to a str first ({forms})")
+        if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu":
+            ids = prompt.tolist()
+        elif isinstance(prompt, Sequence):
+            for i, t in enumerate(prompt):
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):  # a bool is an int, never a token
+                    raise RequestError(f"prompt token {i} is {t!r:.40} ({type(t).__name__}), not an int token id; "
+                                       f"{forms}")
+            ids = [int(t) for t in prompt]
+        else:
+            kind = (f"a {prompt.ndim}-D numpy array of {prompt.dtype}" if isinstance(prompt, np.ndarray)
+                    else "None" if prompt is None else f"of type {type(prompt).__name__}")
+            raise RequestError(f"prompt is {kind}; {forms}")
+        if not ids:
+            raise RequestError("prompt is empty; pass at least one token id")
+        return None, ids
 
     def _deltas(self, request: Request) -> Iterator[str]:
         try:
@@ -243,16 +283,22 @@ class LLM:
             r.append(int(token), now, self.max_context)
         return sampled
 
-    @staticmethod
-    def _pack(rows: list[tuple[Request, int]]):
-        batch, seq = len(rows), max(n for _, n in rows)
+    def _pack(self, rows: list[tuple[Request, int]]):
+        seq = max(n for _, n in rows)
+        # A row's padding slots carry its last known position, from which a length-dependent RoPE
+        # reads the row's length; a chunk that fills its row gets a padding slot for it.
+        if self.engine.spec.longrope_boundary is not None and any(
+                n == seq and len(r.token_ids) > r.num_computed_tokens + n for r, n in rows):
+            seq += 1
+        batch = len(rows)
         input_ids = np.zeros((batch, seq), np.int64)
         past_lens = np.array([r.num_computed_tokens for r, _ in rows], np.int32)
         query_lens = np.array([n for _, n in rows], np.int32)
         width = max(len(r.block_table) for r, _ in rows)
         tables = np.full((batch, width), SCRATCH_BLOCK, np.int32)  # a short row's tail reads nothing
+        position_ids = past_lens[:, None].astype(np.int64) + np.arange(seq)[None, :]
         for i, (r, n) in enumerate(rows):
             input_ids[i, :n] = r.token_ids[r.num_computed_tokens:r.num_computed_tokens + n]
             tables[i, :len(r.block_table)] = r.block_table
-        position_ids = past_lens[:, None].astype(np.int64) + np.arange(seq)[None, :]
+            position_ids[i, n:] = len(r.token_ids) - 1
         return input_ids, position_ids, past_lens, query_lens, tables

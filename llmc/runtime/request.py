@@ -53,6 +53,7 @@ class Request:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0
+        self.cache_salt: int | None = None  # see llmc.runtime.kv_cache.chain_hash
         self.status = Status.WAITING
         self.rng = make_rng(params)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)

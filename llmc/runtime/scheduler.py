@@ -76,11 +76,15 @@ class Scheduler:
         return True
 
     def preempt(self, req: Request) -> None:
+        self.recompute(req)
+        req.out.preemptions += 1
+        self.num_preemptions += 1
+
+    def recompute(self, req: Request) -> None:
+        """Drop a running request's cache; it is computed again from its first token next."""
         self.blocks.free(req)
         self.running.remove(req)
         req.status = Status.WAITING
-        req.out.preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:

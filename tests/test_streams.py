@@ -1,0 +1,184 @@
+"""AsyncLLM streams always end (finished, aborted or failed), whatever consumers and aborts do,
+and leave no request or KV block behind.
+
+Each test runs under asyncio.wait_for, so a stream that never ends fails it instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from llmc.runtime.async_llm import AsyncLLM
+from llmc.runtime.sampling import SamplingParams
+
+TIMEOUT = 30  # seconds; each workload takes about one
+
+
+def _run(main):
+    async def guarded():
+        try:
+            return await asyncio.wait_for(main(), TIMEOUT)
+        except asyncio.TimeoutError:
+            pytest.fail(f"a stream did not end within {TIMEOUT}s")
+    return asyncio.run(guarded())
+
+
+async def _settle(engine: AsyncLLM) -> None:
+    """Wait until no request is left, then check that every KV block went back to the pool."""
+    while True:
+        with engine._lock:  # no step is half done while we look
+            if not engine.llm.has_unfinished():
+                blocks = engine.llm.blocks
+                assert blocks.num_free == blocks.capacity  # free or cached-evictable, none held
+                blocks.check([])
+                return
+        await asyncio.sleep(0.01)
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_stream_ends_under_random_aborts_and_failing_consumers(llama_engine, seed):
+    rng = random.Random(seed)
+    shared = "A shared system prompt that spans several KV blocks."
+    jobs = []
+    for i in range(150):
+        prompt = rng.choice([f"{shared} question {i}", f"prompt {i}", [rng.randrange(1, 200) for _ in range(5)]])
+        behaviour = rng.choice(["read", "read", "abort_at_end", "abort_early", "raise", "close"])
+        jobs.append((f"s{i}", prompt, rng.randint(1, 6), behaviour, rng.randint(1, 3)))
+    aborted: set[str] = set()  # ids whose abort() returned True
+    finals: dict[str, tuple] = {}  # id -> (last snapshot, joined deltas, max_tokens) of streams read to the end
+    live: set[str] = set()  # streams their consumer did not close (one that raised leaves its stream open)
+    left_running: list[str] = []  # closed streams whose request kept running
+
+    async def main():
+        engine = AsyncLLM(llama_engine)
+
+        def abort(rid):
+            if engine.abort(rid):
+                aborted.add(rid)
+
+        async def abort_soon(rid):
+            # lands while the step that finishes the request is running, or just after it
+            await asyncio.sleep(rng.random() * 0.003)
+            abort(rid)
+
+        async def consume(rid, prompt, max_tokens, behaviour, k):
+            stream = await engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), rid)
+            live.add(rid)
+            seen, text, out = 0, "", None
+            if behaviour == "abort_at_end" and max_tokens == 1:
+                await abort_soon(rid)
+            async for out in stream:
+                seen, text = seen + 1, text + out.delta
+                if behaviour == "abort_at_end" and len(out.token_ids) == max_tokens - 1:
+                    await abort_soon(rid)
+                elif behaviour == "abort_early" and seen == k:
+                    abort(rid)
+                elif behaviour == "raise" and seen == k and not out.finished:
+                    raise Boom  # the stream is left unclosed; its finalizer aborts the request
+                elif behaviour == "close" and seen == k and not out.finished:
+                    await stream.aclose()
+                    if engine.llm.output(rid) is not None:  # neither aborted nor finished in the step in flight
+                        left_running.append(rid)
+                    live.discard(rid)
+                    return
+            live.discard(rid)
+            finals[rid] = (out, text, max_tokens)
+
+        async def consumer(*job):
+            try:
+                await consume(*job)
+            except Boom:
+                pass
+
+        async def outside_aborter():
+            while True:
+                await asyncio.sleep(rng.random() * 0.003)
+                if live:
+                    abort(rng.choice(sorted(live)))
+                engine.abort("no such request")
+
+        aborter = asyncio.create_task(outside_aborter())
+        await asyncio.gather(*(consumer(*job) for job in jobs))
+        aborter.cancel()
+        await _settle(engine)
+
+    _run(main)
+    assert not left_running
+    for rid, (out, text, max_tokens) in finals.items():
+        assert out.finished and text == out.text, rid
+        if rid in aborted:
+            assert out.finish_reason == "abort" and len(out.token_ids) < max_tokens, rid
+        else:
+            assert out.finish_reason == "length" and len(out.token_ids) == max_tokens, rid
+    assert aborted and len(finals) > len(jobs) // 2  # the workload did what it says
+
+
+@pytest.mark.parametrize("abort_at,expect", [(3, "length"), (2, "abort")])
+def test_abort_racing_the_step_in_flight(llama_engine, abort_at, expect):
+    """abort() runs on the loop after a step produced `abort_at` tokens but before its results
+    arrive: when that step finished the request, the stream still gets its final snapshot; when
+    not, the abort snapshot carries the dropped result's text."""
+    async def main():
+        engine = AsyncLLM(llama_engine)
+        loop = asyncio.get_running_loop()
+        real_step, answers = engine._step, []
+
+        def step():
+            results = real_step()
+            for _, out in results:  # queued on the loop ahead of the step's results
+                if len(out.token_ids) == abort_at:
+                    loop.call_soon_threadsafe(lambda rid=out.request_id: answers.append(engine.abort(rid)))
+            return results
+
+        engine._step = step
+        stream = await engine.add_request("hello there", SamplingParams(max_tokens=3, ignore_eos=True))
+        outs = [out async for out in stream]
+        await _settle(engine)
+        return answers, outs
+
+    answers, outs = _run(main)
+    last = outs[-1]
+    assert answers == [expect == "abort"]
+    assert last.finish_reason == expect and len(last.token_ids) == abort_at
+    assert "".join(o.delta for o in outs) == last.text
+
+
+def test_closing_a_stream_early_aborts_its_request(llama_engine):
+    async def main():
+        engine = AsyncLLM(llama_engine)
+        stream = await engine.add_request("a long answer", SamplingParams(max_tokens=200, ignore_eos=True))
+        async for out in stream:
+            break
+        await stream.aclose()
+        assert engine.llm.output(out.request_id) is None
+        await _settle(engine)
+
+    _run(main)
+
+
+def test_engine_failure_ends_streams_including_ones_finished_in_the_failed_step(llama_engine):
+    async def main():
+        engine = AsyncLLM(llama_engine)
+        real_step = engine.llm.step
+
+        def step_then_fail():
+            real_step()  # finishes the one-token request; its result is lost with the step
+            raise RuntimeError("scheduler exploded")
+
+        engine.llm.step = step_then_fail
+        streams = [await engine.add_request(f"prompt {n}", SamplingParams(max_tokens=n, ignore_eos=True))
+                   for n in (1, 50)]
+        outs = [[out async for out in s] for s in streams]
+        await _settle(engine)
+        return [o[-1] for o in outs]
+
+    short, long = _run(main)
+    assert short.finish_reason == "length" and len(short.token_ids) == 1
+    assert long.finish_reason == "error" and "scheduler exploded" in long.error
