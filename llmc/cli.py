@@ -45,7 +45,6 @@ def main():
 @click.option("--passes", "list_passes", is_flag=True, help="List the passes and exit.")
 @click.option("--verify/--no-verify", default=False, show_default=True,
               help="Check every pass numerically against the graph before it.")
-@click.option("--all-logits", is_flag=True, help="Output logits for every position, not only the last.")
 @click.option("--dump-ir", type=click.Path(path_type=Path), default=None,
               help="Write the graph after each pass into this folder.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine at the output path.")
@@ -53,13 +52,13 @@ def main():
 @click.option("--lossless-weights", is_flag=True,
               help="Also store the weights in a lossless format 12.5% smaller that batch-1 to 8 decode reads "
                    "(same outputs, faster tokens; the engine holds both copies).")
-def build(model, output, block_size, max_context, disable_passes, list_passes, verify, all_logits,
-          dump_ir, overwrite, explain, lossless_weights):
+def build(model, output, block_size, max_context, disable_passes, list_passes, verify, dump_ir, overwrite,
+          explain, lossless_weights):
     """Compile MODEL (a recipe name, a local HF folder or a hub id) into an engine."""
     from llmc.contract.options import BuildOptions
 
     options = BuildOptions(block_size=block_size, max_context=max_context, disable_passes=tuple(disable_passes),
-                           verify=verify, last_token_logits=not all_logits, lossless_weights=lossless_weights)
+                           verify=verify, lossless_weights=lossless_weights)
     if list_passes:
         from llmc.passes.pipeline import phases
 
@@ -233,6 +232,55 @@ def inspect(engine, as_json):
 
     manifest = open_engine(engine).manifest
     click.echo(json.dumps(manifest.to_json(), indent=2) if as_json else describe(manifest, engine))
+
+
+@main.command("eval")
+@click.argument("engine", type=click.Path(path_type=Path))
+@click.argument("file", required=False, type=click.Path(path_type=Path))
+@click.option("--file", "file_option", type=click.Path(path_type=Path), default=None, help="Text file to evaluate.")
+@click.option("--corpus", type=click.Choice(["heldout"]), default=None,
+              help="Evaluate on a corpus instead: heldout = the held-out standard-library files, one document each.")
+@click.option("--reference", type=click.Path(path_type=Path), default=None,
+              help="An engine or HF model folder (run by transformers, fp32) to compare with: KL divergence, "
+                   "same top token, Δ perplexity.")
+@click.option("--context", type=int, default=None,
+              help="Window length in tokens [default: the engine's max context, or the reference's if shorter].")
+@click.option("--overlap", type=int, default=None,
+              help="Least context, in tokens, of each token scored after the first window [default: half the window].")
+@click.option("--threads", type=int, default=None,
+              help="ONNX Runtime intra-op threads (and torch's, for an HF folder reference) [default: cores].")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def eval_(engine, file, file_option, corpus, reference, context, overlap, threads, as_json):
+    """Perplexity and bits per byte of ENGINE on FILE (or --corpus heldout); with --reference, how far
+    its next-token distributions are from the reference's."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from llmc.bench.eval import evaluate, render, to_json_text
+
+    if file is not None and file_option is not None:
+        raise LlmcError("FILE and --file given together; pass the text file once")
+
+    columns = (TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"), TimeElapsedColumn())
+    console = Console(stderr=True)
+    bar = Progress(*columns, console=console, transient=True)
+    task = None
+
+    def progress(done: int, total: int) -> None:  # the bar starts with the scoring, after every check
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task("scoring", total=total)
+        bar.update(task, completed=done)
+
+    try:
+        result = evaluate(engine, file=file if file is not None else file_option, corpus=corpus, reference=reference,
+                          context=context, overlap=overlap, threads=threads,
+                          progress=progress if console.is_terminal else None)
+    finally:
+        if task is not None:
+            bar.stop()
+    click.echo(to_json_text(result) if as_json else render(result))
 
 
 if __name__ == "__main__":

@@ -55,8 +55,8 @@ def describe(manifest: Manifest, engine_dir: str | Path) -> str:
         # Engines with many layers have hundreds of pool names: wrap rather than one huge line.
         io_lines += textwrap.wrap(", ".join(names), width=100, initial_indent=prefix,
                                   subsequent_indent=" " * len(prefix))
-    where = "every position" if m.io.logits == "all" else "last position of each row"
-    io_lines.append(f"  {graph_io.LOGITS:<14}  {where}")
+    io_lines.append(f"  {graph_io.LOGITS:<14}  [{graph_io.NUM_LOGITS}, vocab]: one row per token in "
+                    f"{graph_io.LOGITS_INDICES}")
     section("I/O", io_lines)
     section("Build options", _rows(to_json(m.build_options)))
     section("Tokenizer", _rows(to_json(m.tokenizer)))

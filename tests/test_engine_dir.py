@@ -45,7 +45,7 @@ def sample_manifest() -> Manifest:
         model_spec=spec,
         build_options=BuildOptions(block_size=16, max_context=256),
         kv_cache=KVCache("token-major", "float32", 16, 2, 2, 16),
-        io=GraphIO.paged(2, "last"),
+        io=GraphIO.paged(2),
         payload=Payload("model.onnx", "model.onnx.data"),
         tokenizer=Tokenizer("tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
                             "tokenizer/chat_template.jinja", "<s>", "</s>", "<pad>", None),

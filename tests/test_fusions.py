@@ -37,7 +37,8 @@ def _expected_counts(layers: int, tied: bool, with_kernels: bool) -> dict[str, d
                                  "heads_merged": layers, "swiglu": layers}
         counts["simplify-layout"] = layout
         # Every projection and the LM head; each residual norm but the final one (which feeds the
-        # last-token pick) folds into the projection it feeds, and each SwiGLU into the down one.
+        # gather of the logits_indices rows) folds into the projection it feeds, and each SwiGLU
+        # into the down one.
         counts["packed-matmul"] = {"packed_matmul": 4 * layers + 1, "skip_rmsnorm_matmul": 2 * layers - 1,
                                    "swiglu_matmul": layers}
     else:
@@ -80,7 +81,7 @@ def test_fusions_fire_and_the_engine_still_matches_hf(recipe, with_kernels, engi
         assert ops["PagedAttention"] == ops["SwiGLUMatMul"] == layers and ops["SwiGLU"] == 0
         assert sum(ops[op] for op in ("QuickGelu", "Split", "RotaryEmbedding", "GatherND", "ScatterND")) == 0
         # Per layer: 2 norm+projections, the output projection, attention, SwiGLU+down. The rest
-        # is once per step (RoPE angles, the last-token pick): it must not grow with the layers.
+        # is once per step (RoPE angles, the logits rows' gather): it must not grow with the layers.
         assert sum(ops.values()) - 5 * layers <= 30
     else:
         assert ops["MatMul"] == 4 * layers + 1 and ops["SkipSimplifiedLayerNormalization"] == 2 * layers

@@ -20,7 +20,7 @@ from llmc.plugins import cpu
 COMMON_COUNTS = {
     "native-gqa": {"attention_gqa": 2},
     "paged-kv-cache": {"paged_attention": 2},
-    "last-token-logits": {"lm_head_last_token": 1},
+    "logits-indices": {"lm_head_gather": 1},
     "merge-matmuls": {"qkv_merge": 2, "gate_up_merge": 2},
     "ort-fusions": {"skip_rmsnorm": 4, "swiglu": 2},
 }
@@ -60,19 +60,19 @@ def test_the_pipeline_is_one_phased_list_built_from_the_options():
     assert [(ph.name, [p.name for p in ph.passes]) for ph in phases(BuildOptions())] == [
         ("canonicalize", ["cleanup", "native-gqa"]),
         ("fuse", ["merge-matmuls"]),
-        ("rewrite KV I/O", ["paged-kv-cache", "last-token-logits"]),
+        ("rewrite KV I/O", ["paged-kv-cache", "logits-indices"]),
         ("backend kernels", ["ort-fusions", "cpu-kernels"]),
         ("lower", ["ort-lower"]),
         ("layout", ["simplify-layout"]),
         ("weights", ["packed-matmul"]),
     ]
-    names = [p.name for p in pipeline(BuildOptions(last_token_logits=False, lossless_weights=True,
-                                                   disable_passes=("cleanup",)))]
-    assert names == [n for n in DEFAULT_PASSES if n not in ("cleanup", "last-token-logits")] + ["lossless-weights"]
+    names = [p.name for p in pipeline(BuildOptions(lossless_weights=True, disable_passes=("cleanup",)))]
+    assert names == [n for n in DEFAULT_PASSES if n != "cleanup"] + ["lossless-weights"]
     with pytest.raises(LlmcError, match="unknown pass 'nope'"):
         pipeline(BuildOptions(disable_passes=("nope",)))
-    with pytest.raises(LlmcError, match="cannot be disabled"):
-        pipeline(BuildOptions(disable_passes=("ort-lower",)))
+    for required in ("paged-kv-cache", "logits-indices", "ort-lower"):  # the contract's graph I/O needs them
+        with pytest.raises(LlmcError, match="cannot be disabled"):
+            pipeline(BuildOptions(disable_passes=(required,)))
 
 
 @pytest.mark.parametrize("passes,expected", [
@@ -111,7 +111,7 @@ def test_paged_rewrite_explains_a_miss_when_kv_is_still_expanded(exported):
 def test_a_precondition_that_does_not_hold_changes_nothing_and_says_why(exported):
     model, spec = _clone(exported[0]), exported[1]
     before = len(list(model.graph))
-    result = _passes("last-token-logits")[0].run(model, spec)
+    result = _passes("logits-indices")[0].run(model, spec)
     assert not result.changed and result.misses == ["the graph has no query_lens input; run paged-kv-cache first"]
     assert len(list(model.graph)) == before
 
@@ -149,12 +149,10 @@ def test_disabling_an_optional_pass(tmp_path):
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling import SamplingParams
 
-    out = build("tiny-llama", tmp_path / "e", BuildOptions(block_size=4, disable_passes=("last-token-logits",),
+    out = build("tiny-llama", tmp_path / "e", BuildOptions(block_size=4, disable_passes=("merge-matmuls",),
                                                            max_context=64)).engine_dir
     manifest = open_engine(out).manifest
-    assert "last-token-logits" not in [p.name for p in manifest.passes]
-    assert manifest.io.logits == "all"
-    # An all-positions engine still serves generate(): the runtime picks each row's last token.
+    assert "merge-matmuls" not in [p.name for p in manifest.passes]
     out_tokens = LLM(out).generate("hello there", SamplingParams(max_tokens=5, ignore_eos=True)).token_ids
     assert len(out_tokens) == 5
 
@@ -166,7 +164,7 @@ def test_attention_kernel_takes_every_layer_or_none(exported):
     import onnx_ir as ir
 
     model, spec = _clone(exported[0]), exported[1]
-    PassManager(_passes("cleanup", "native-gqa", "merge-matmuls", "paged-kv-cache", "last-token-logits",
+    PassManager(_passes("cleanup", "native-gqa", "merge-matmuls", "paged-kv-cache", "logits-indices",
                         "ort-fusions")).run(model, spec)
     taken = _clone(model)
     _passes("cpu-kernels")[0].run(taken, spec)

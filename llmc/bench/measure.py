@@ -92,8 +92,6 @@ def build_command(manifest: Manifest, engine: Path, config: Config) -> str:
     parts = ["llmc build", manifest.source.model, "-o", str(engine), "--overwrite", "--block-size",
              str(options.block_size), "--max-context", str(options.max_context)]
     parts += [flag for name in options.disable_passes for flag in ("--disable-pass", name)]
-    if not options.last_token_logits:
-        parts.append("--all-logits")
     if options.lossless_weights:
         parts.append("--lossless-weights")
     return " ".join(parts)

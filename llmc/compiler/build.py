@@ -180,15 +180,15 @@ def _counts_text(counts: dict[str, int]) -> str:
 
 def _graph_io(model, spec: ModelSpec) -> graph_io.GraphIO:
     """The compiled graph's interface, which must be the engine contract's."""
-    logits = next((v for v in model.graph.outputs if v.name == graph_io.LOGITS), None)
-    mode = "last" if logits is not None and logits.shape is not None and len(logits.shape) == 2 else "all"
-    io = graph_io.GraphIO.paged(spec.num_layers, mode)
+    io = graph_io.GraphIO.paged(spec.num_layers)
     have = {v.name for v in [*model.graph.inputs, *model.graph.outputs]}
     missing = [name for name in (*io.inputs, *io.outputs) if name not in have]
     extra = sorted(have - {*io.inputs, *io.outputs})
     if missing or extra:
         detail = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(extra[:3])}"
-        raise LlmcError(f"the compiled graph lacks the engine interface ({detail}); this model's attention "
+        # The paged rewrite adds every step input but logits_indices, which the LM head's rewrite adds.
+        what = "LM head" if missing == [graph_io.LOGITS_INDICES] else "attention"
+        raise LlmcError(f"the compiled graph lacks the engine interface ({detail}); this model's {what} "
                         f"was not recognized")
     return io
 

@@ -1,4 +1,7 @@
-"""Built-in model recipes: small random-weight HF models built locally, with no downloads.
+"""Built-in models: small random-weight HF models built locally, and models trained here.
+
+Trained models (code-small, code-draft: models/train_code.py) are committed HF folders under
+models/<name>/ and used as they are. The rest of this module is about random-weight recipes.
 
 A recipe is models/<name>.json: {"description", "seed", "init_std", "config": <HF config dict>}.
 materialize(name) turns it into an ordinary HF model folder (config, safetensors weights,
@@ -56,8 +59,18 @@ RECIPES_DIR = _find_recipes_dir()
 _TOKENIZER_DIR = RECIPES_DIR / "tokenizer"
 
 
-def list_recipes() -> list[str]:
+def random_recipes() -> list[str]:
+    """Recipes with random weights, built on first use (models/<name>.json)."""
     return sorted(p.stem for p in RECIPES_DIR.glob("*.json"))
+
+
+def trained_models() -> list[str]:
+    """Models trained here and committed as HF folders (models/<name>/, models/train_code.py)."""
+    return sorted(p.parent.name for p in RECIPES_DIR.glob("*/model.safetensors"))
+
+
+def list_recipes() -> list[str]:
+    return sorted(random_recipes() + trained_models())
 
 
 def is_recipe(name: str) -> bool:
@@ -96,7 +109,10 @@ def _is_complete(folder: Path) -> bool:
 
 
 def materialize(name: str, cache_dir: Path | None = None) -> Path:
-    """Return the HF model folder for recipe `name`, building it on first use."""
+    """Return the HF model folder for recipe `name`, building it on first use (a trained model's
+    folder is already one)."""
+    if name in trained_models():
+        return RECIPES_DIR / name
     key = _cache_key(name)
     final = _cache_root(cache_dir) / "recipes" / f"{name}-{key}"
     if _is_complete(final):

@@ -3,10 +3,14 @@
 One step of the paged contract (design §4) runs rows of equal padded length S:
   inputs   input_ids [B, S] int64, position_ids [B, S] int64,
            past_lens [B] int32 (tokens already cached per row), query_lens [B] int32 (valid new
-           tokens per row), block_tables [B, max_blocks] int32, and per layer the pool kv_cache.{i}
-  outputs  logits ([B, V] for each row's last valid token, or [B, S, V] for every position),
-           and per layer kv_cache_out.{i}, which the runtime binds to the same buffer as
-           kv_cache.{i}: the cache is written in place.
+           tokens per row), block_tables [B, max_blocks] int32,
+           logits_indices [N] int64 (the positions whose logits the step returns, as flat indices
+           into the step's [B*S] token grid: row b, token j is b*S + j),
+           and per layer the pool kv_cache.{i}
+  outputs  logits [N, V] (row n is token logits_indices[n]), and per layer kv_cache_out.{i},
+           which the runtime binds to the same buffer as kv_cache.{i}: the cache is written in place.
+The LM head runs on the N chosen tokens only: a prefill asks for each row's last token, a
+scoring pass for every position, a speculative step for the k+1 tokens it verifies.
 Block 0 of every pool is scratch: padding tokens write there and no sequence is given it.
 A row's padding slots of position_ids hold the last position of the row's known sequence, so
 the row's largest position id is its length - 1: length-dependent RoPE (longrope) reads it there.
@@ -15,31 +19,28 @@ the row's largest position id is its length - 1: length-dependent RoPE (longrope
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 PAST_LENS = "past_lens"
 QUERY_LENS = "query_lens"
 BLOCK_TABLES = "block_tables"
+LOGITS_INDICES = "logits_indices"
 LOGITS = "logits"
 _CACHE_INPUT = "kv_cache.{}"
 _CACHE_OUTPUT = "kv_cache_out.{}"
 
 # The canonical (exported, cache-free) graph reads only the tokens and their positions.
 TOKEN_INPUTS = (INPUT_IDS, POSITION_IDS)
-# What the paged rewrite adds, and every step input with its element type.
-PAGED_INPUTS = (PAST_LENS, QUERY_LENS, BLOCK_TABLES)
+# Every step input with its element type, in the graph's order.
 STEP_INPUTS = {INPUT_IDS: "int64", POSITION_IDS: "int64", PAST_LENS: "int32", QUERY_LENS: "int32",
-               BLOCK_TABLES: "int32"}
+               BLOCK_TABLES: "int32", LOGITS_INDICES: "int64"}
 SCRATCH_BLOCK = 0
 
 # Symbolic dimension names in the graph.
-BATCH, SEQ, MAX_BLOCKS, NUM_BLOCKS = "batch", "seq", "max_blocks", "num_blocks"
+BATCH, SEQ, MAX_BLOCKS, NUM_BLOCKS, NUM_LOGITS = "batch", "seq", "max_blocks", "num_blocks", "num_logits"
 STEP_SHAPES = {INPUT_IDS: (BATCH, SEQ), POSITION_IDS: (BATCH, SEQ), PAST_LENS: (BATCH,), QUERY_LENS: (BATCH,),
-               BLOCK_TABLES: (BATCH, MAX_BLOCKS)}
-
-LogitsMode = Literal["last", "all"]
+               BLOCK_TABLES: (BATCH, MAX_BLOCKS), LOGITS_INDICES: (NUM_LOGITS,)}
 
 
 def cache_input(layer: int) -> str:
@@ -66,12 +67,11 @@ class GraphIO:
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    logits: LogitsMode
 
     @classmethod
-    def paged(cls, num_layers: int, logits: LogitsMode) -> "GraphIO":
+    def paged(cls, num_layers: int) -> "GraphIO":
         return cls(inputs=(*STEP_INPUTS, *map(cache_input, range(num_layers))),
-                   outputs=(LOGITS, *map(cache_output, range(num_layers))), logits=logits)
+                   outputs=(LOGITS, *map(cache_output, range(num_layers))))
 
     @property
     def num_layers(self) -> int:

@@ -1,8 +1,8 @@
 """manifest.json: what an engine is, typed. The compiler writes a `Manifest`; runtime and bench
 read one; nothing else spells its keys.
 
-Schema 3 (this one): the manifest is the frozen dataclasses below, every key validated on load.
-Engines of an older schema are refused with a one-line "rebuild it".
+The manifest is the frozen dataclasses below (schema SCHEMA_VERSION), every key validated on load.
+Engines of another schema are refused with a one-line "rebuild it".
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from llmc.contract.graph_io import GraphIO, TensorType
 from llmc.contract.model_spec import ModelSpec
 from llmc.contract.options import BuildOptions
 
-SCHEMA_VERSION = 4  # 4: model_spec.layer_types
+# 4: model_spec.layer_types. 5: the graph takes logits_indices and returns logits [N, V]; io.logits
+# ("last" / "all") is gone, so an older engine's graph cannot serve a step of this runtime.
+SCHEMA_VERSION = 5
 DTYPE_BYTES = {"float32": 4}
 # Sizes that are counts: a hand-edited 0 or negative one would divide by zero or shape nothing.
 _SIZES = {"model_spec": ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -133,7 +135,7 @@ class Manifest:
         if self.max_context > self.model_spec.max_position_embeddings:
             raise ContractError(f"build_options.max_context {self.max_context} exceeds model_spec."
                                 f"max_position_embeddings {self.model_spec.max_position_embeddings}")
-        if self.io != GraphIO.paged(self.kv_cache.num_layers, self.io.logits):
+        if self.io != GraphIO.paged(self.kv_cache.num_layers):
             raise ContractError(f"io: not the paged-attention interface of a {self.kv_cache.num_layers}-layer engine")
 
     @property
@@ -154,10 +156,9 @@ class Manifest:
         pool_keys = kv_layout.pool_shape(kv.layout, None, "kv_cache.block_size", "kv_cache.num_kv_heads",
                                          "kv_cache.head_dim")
         pool = TensorType(kv.dtype, kv.pool_shape(graph_io.NUM_BLOCKS), (None, *pool_keys[1:]))
-        rows = (graph_io.BATCH,) if self.io.logits == "last" else (graph_io.BATCH, graph_io.SEQ)
         inputs = {name: TensorType(dtype, graph_io.STEP_SHAPES[name]) for name, dtype in graph_io.STEP_INPUTS.items()}
-        logits_keys = (*(None for _ in rows), "model_spec.vocab_size")
-        outputs = {graph_io.LOGITS: TensorType("float32", (*rows, vocab), logits_keys)}
+        logits = TensorType("float32", (graph_io.NUM_LOGITS, vocab), (None, "model_spec.vocab_size"))
+        outputs = {graph_io.LOGITS: logits}
         for cache_in, cache_out in self.io.caches():
             inputs[cache_in] = outputs[cache_out] = pool
         return inputs, outputs

@@ -34,7 +34,6 @@ class BuildOptions:
     max_context: int | None = None  # longest sequence served; None: the model's, at most 4096
     disable_passes: tuple[str, ...] = ()
     verify: bool = False  # check every pass numerically against the graph before it
-    last_token_logits: bool = True  # False: logits for every position
     lossless_weights: bool = False  # also store the packed weights in the lossless format
 
     def __post_init__(self):

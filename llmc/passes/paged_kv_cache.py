@@ -79,7 +79,12 @@ class PagedKVCache(RulePass):
         # The op's meaning as a model-local function: the rewritten graph runs in ORT as is.
         function = pa.build_function()
         model.functions[function.identifier()] = function
-        order = {name: i for i, name in enumerate(io.GraphIO.paged(spec.num_layers, "last").inputs)}
-        inputs = sorted(model.graph.inputs, key=lambda v: order.get(v.name, len(order)))
-        model.graph.inputs.clear()
-        model.graph.inputs.extend(inputs)
+        contract_input_order(model, spec.num_layers)
+
+
+def contract_input_order(model: ir.Model, num_layers: int) -> None:
+    """Sort the graph's inputs into the contract's order (new inputs are appended after the pools)."""
+    order = {name: i for i, name in enumerate(io.GraphIO.paged(num_layers).inputs)}
+    inputs = sorted(model.graph.inputs, key=lambda v: order.get(v.name, len(order)))
+    model.graph.inputs.clear()
+    model.graph.inputs.extend(inputs)

@@ -2,15 +2,15 @@
 
     canonicalize      cleanup, native-gqa
     fuse              merge-matmuls
-    rewrite KV I/O    paged-kv-cache, last-token-logits (unless logits are kept for every position)
+    rewrite KV I/O    paged-kv-cache, logits-indices (the LM head on the step's chosen tokens)
     backend kernels   ort-fusions (ORT's), cpu-kernels (llmc's own)
     lower             ort-lower (what no kernel took, in standard ops)
     layout            simplify-layout
     weights           packed-matmul, lossless-weights (with --lossless-weights)
 
-The engine contract needs paged-kv-cache and ort-lower (`Pass.required`); any other pass can be
-left out with --disable-pass. Passes that target llmc's CPU kernels stand aside, saying why,
-where the kernel library is not built.
+The engine contract needs paged-kv-cache, logits-indices and ort-lower (`Pass.required`); any
+other pass can be left out with --disable-pass. Passes that target llmc's CPU kernels stand aside,
+saying why, where the kernel library is not built.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from llmc.contract.options import BuildOptions
 from llmc.errors import LlmcError
 from llmc.passes.cleanup import Cleanup
 from llmc.passes.cpu_kernels import CPUKernels
-from llmc.passes.last_token_logits import LastTokenLogits
+from llmc.passes.logits_indices import LogitsIndices
 from llmc.passes.lossless_weights import LosslessWeights
 from llmc.passes.manager import Pass
 from llmc.passes.merge_matmuls import MergeMatMuls
@@ -45,7 +45,7 @@ def phases(options: BuildOptions) -> list[Phase]:
     return [
         Phase("canonicalize", (Cleanup(), NativeGQA())),
         Phase("fuse", (MergeMatMuls(),)),
-        Phase("rewrite KV I/O", (PagedKVCache(block),) + ((LastTokenLogits(),) if options.last_token_logits else ())),
+        Phase("rewrite KV I/O", (PagedKVCache(block), LogitsIndices())),
         Phase("backend kernels", (ORTFusions(), CPUKernels(block))),
         Phase("lower", (LowerPagedAttentionORT(block),)),
         Phase("layout", (SimplifyLayout(),)),

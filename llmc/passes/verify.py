@@ -4,10 +4,12 @@ Graphs on both sides of the KV-cache rewrite have different inputs, so the compa
 scenario both can express:
 - unpaged vs unpaged: one call on random tokens, all logits compared;
 - unpaged vs paged: the paged graph prefills every row from an empty cache (past 0, no padding)
-  and its logits are compared with the unpaged graph's (last position when it has only that);
+  and its logits are compared with the unpaged graph's;
 - paged vs paged: a ragged prefill (padded rows, many blocks per row, shuffled block ids) then
   two decode steps, each graph carrying its own cache; logits at valid positions and the
   written cache blocks are compared.
+Every paged step asks for the logits of all its valid tokens, in a shuffled order
+(`logits_indices`); a graph without that input returns [B, S, V], which is gathered the same way.
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ def _run(sess, feeds: dict) -> dict[str, np.ndarray]:
     return dict(zip(names, sess.run(None, {k: v for k, v in feeds.items() if k in wanted})))
 
 
-def _last_valid(logits: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
+def _chosen(logits: np.ndarray, feeds: dict) -> np.ndarray:
+    """The logits of the tokens `feeds` names in logits_indices: as they are from a graph that
+    takes that input ([N, V]), gathered from one that returns every position ([B, S, V])."""
     if logits.ndim == 2:
         return logits
-    return logits[np.arange(len(query_lens)), query_lens - 1]
+    return logits.reshape(-1, logits.shape[-1])[feeds[io.LOGITS_INDICES]]
 
 
 class _PagedScenario:
@@ -99,7 +103,14 @@ class _PagedScenario:
             io.PAST_LENS: past.astype(np.int32),
             io.QUERY_LENS: qlens.astype(np.int32),
             io.BLOCK_TABLES: self.tables,
+            io.LOGITS_INDICES: self.valid_tokens(seq, qlens),
         }
+
+    def valid_tokens(self, seq: int, qlens) -> np.ndarray:
+        """Every valid token's flat index in the [B*S] grid, shuffled: the gather must not
+        assume rows in order or one token per row."""
+        flat = np.concatenate([b * seq + np.arange(n) for b, n in enumerate(qlens)])
+        return self.rng.permutation(flat).astype(np.int64)
 
 
 def compare(before: ir.Model, after: ir.Model, spec: ModelSpec, block_size: int, atol: float = ATOL) -> float:
@@ -120,9 +131,9 @@ def compare(before: ir.Model, after: ir.Model, spec: ModelSpec, block_size: int,
         feeds = next(scenario.steps())
         seq = feeds[io.INPUT_IDS].shape[1]
         feeds[io.QUERY_LENS] = np.full(2, seq, np.int32)
-        ref = _run(s_before, feeds)[io.LOGITS]
-        got = _run(s_after, {**feeds, **scenario.empty_caches(kv_layout.of_model(after))})[io.LOGITS]
-        ref = ref[:, -1] if got.ndim == 2 else ref
+        feeds[io.LOGITS_INDICES] = scenario.valid_tokens(seq, feeds[io.QUERY_LENS])
+        ref = _chosen(_run(s_before, feeds)[io.LOGITS], feeds)
+        got = _chosen(_run(s_after, {**feeds, **scenario.empty_caches(kv_layout.of_model(after))})[io.LOGITS], feeds)
         diffs.append(float(np.abs(ref - got).max()))
     else:
         scenario = _PagedScenario(spec, block_size)
@@ -133,7 +144,7 @@ def compare(before: ir.Model, after: ir.Model, spec: ModelSpec, block_size: int,
             for k, sess in enumerate((s_before, s_after)):
                 out = _run(sess, {**feeds, **caches[k]})
                 caches[k] = {cache_in: out[cache_out] for cache_in, cache_out in scenario.caches}
-                outs.append(_last_valid(out[io.LOGITS], feeds[io.QUERY_LENS]))
+                outs.append(_chosen(out[io.LOGITS], feeds))
             diffs.append(float(np.abs(outs[0] - outs[1]).max()))
         for name in caches[0]:  # compared token-major, but for the scratch block padding writes in any order
             pools = [np.delete(kv_layout.to_token_major(caches[k][name], layouts[k]), io.SCRATCH_BLOCK, axis=1)

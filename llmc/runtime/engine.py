@@ -17,7 +17,7 @@ import numpy as np
 from llmc.contract import graph_io as io
 from llmc.contract.engine_dir import EngineFiles, open_engine
 from llmc.contract.options import GRAPH_OPTIMIZATION_LEVELS, RuntimeOptions
-from llmc.errors import EngineError, LlmcError, first_line
+from llmc.errors import EngineError, LlmcError, RequestError, first_line
 from llmc.plugins import cpu
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
@@ -84,7 +84,7 @@ class Engine:
             self._pools.append((pool, value))
             self._binding.bind_ortvalue_input(cache_in, value)
             self._binding.bind_ortvalue_output(cache_out, value)
-        self._steps: dict[tuple[int, int, int], _StepBuffers] = {}
+        self._steps: dict[tuple[int, int, int, int], _StepBuffers] = {}
         self._bound: _StepBuffers | None = None
 
     def _check_graph(self) -> None:
@@ -128,30 +128,40 @@ class Engine:
         return self._pools[layer][0]
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, past_lens: np.ndarray,
-                query_lens: np.ndarray, block_tables: np.ndarray) -> np.ndarray:
-        """One step; returns logits [B, V] (or [B, S, V] for an all-positions engine). The logits
-        buffer is reused by the next step of the same shape: copy what must outlive it."""
+                query_lens: np.ndarray, block_tables: np.ndarray, logits_indices=None) -> np.ndarray:
+        """One step; returns logits [N, V], row n for the token logits_indices[n] names in the step's
+        flattened [B*S] token grid (row b, token j is b*S + j). None: each row's last valid token
+        (b*S + query_lens[b] - 1), so N = B; empty: none, N = 0. A padding token's logits mean
+        nothing. The logits buffer is reused by the next step of the same shape: copy what must
+        outlive it."""
         batch, seq = input_ids.shape
-        step = self._step_buffers(batch, seq, block_tables.shape[1])
-        for buffer, value in zip(step.inputs.values(), (input_ids, position_ids, past_lens, query_lens, block_tables)):
-            np.copyto(buffer, value, casting="unsafe")
+        if logits_indices is None:
+            step = self._step_buffers(batch, seq, block_tables.shape[1], batch)
+            np.add(step.last_of_row, query_lens, out=step.inputs[io.LOGITS_INDICES])
+        else:
+            logits_indices = _checked_indices(logits_indices, batch, seq)
+            step = self._step_buffers(batch, seq, block_tables.shape[1], len(logits_indices))
+            np.copyto(step.inputs[io.LOGITS_INDICES], logits_indices, casting="unsafe")
+        for name, value in ((io.INPUT_IDS, input_ids), (io.POSITION_IDS, position_ids), (io.PAST_LENS, past_lens),
+                            (io.QUERY_LENS, query_lens), (io.BLOCK_TABLES, block_tables)):
+            np.copyto(step.inputs[name], value, casting="unsafe")
         self.session.run_with_iobinding(self._binding)
         return step.logits
 
-    def _step_buffers(self, batch: int, seq: int, width: int) -> "_StepBuffers":
+    def _step_buffers(self, batch: int, seq: int, width: int, num_logits: int) -> "_StepBuffers":
         """Input and logits buffers for a step shape, bound to the session. Consecutive steps of one
         shape (a steady decode batch) bind nothing: they only fill the bound arrays in place."""
-        key = (batch, seq, width)
+        key = (batch, seq, width, num_logits)
         step = self._steps.get(key)
         if step is None:
             if len(self._steps) >= 16:  # shapes come and go with the batch; keep the recent ones
                 self._steps.pop(next(iter(self._steps)))
             shapes = {io.INPUT_IDS: (batch, seq), io.POSITION_IDS: (batch, seq), io.PAST_LENS: (batch,),
-                      io.QUERY_LENS: (batch,), io.BLOCK_TABLES: (batch, width)}
-            vocab = self.spec.vocab_size
+                      io.QUERY_LENS: (batch,), io.BLOCK_TABLES: (batch, width), io.LOGITS_INDICES: (num_logits,)}
             step = self._steps[key] = _StepBuffers(
                 inputs={name: np.zeros(shapes[name], dtype) for name, dtype in io.STEP_INPUTS.items()},
-                logits=np.empty((batch, vocab) if self.io.logits == "last" else (batch, seq, vocab), np.float32))
+                logits=np.empty((num_logits, self.spec.vocab_size), np.float32),
+                last_of_row=np.arange(batch, dtype=np.int64) * seq - 1)
         if self._bound is not step:
             ort = _import_ort()
             for name, array in step.inputs.items():
@@ -166,6 +176,24 @@ class Engine:
 class _StepBuffers:
     inputs: dict[str, np.ndarray]  # in io.STEP_INPUTS order
     logits: np.ndarray
+    last_of_row: np.ndarray  # b*S - 1 per row: + query_lens is each row's last valid token
+
+
+def _checked_indices(indices, batch: int, seq: int) -> np.ndarray:
+    """`indices` as a 1-D integer array inside the step's [batch*seq] token grid, else a
+    RequestError: ONNX Runtime would fail with a multi-line Gather error (or wrap a negative one)."""
+    array = np.asarray(indices)
+    if array.shape == (0,):  # none wanted (a prefill chunk that samples nothing): [] is float to numpy
+        return array.astype(np.int64)
+    grid = f"the step's {batch}x{seq} token grid (row b, token j is b*{seq} + j)"
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise RequestError(f"logits_indices must be a 1-D array of integer indices into {grid}; "
+                           f"got {array.ndim}-D {array.dtype}")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= batch * seq:
+        raise RequestError(f"logits_indices holds {low if low < 0 else high}, outside {grid}: "
+                           f"each index must be 0 to {batch * seq - 1}")
+    return array
 
 
 def _read_weights(opts, path: Path, name: str):

@@ -263,9 +263,7 @@ class LLM:
 
     def _run(self, rows: list[tuple[Request, int]]) -> list[Request]:
         feeds = self._pack(rows)
-        logits = self.engine.forward(*feeds)
-        if logits.ndim == 3:  # an all-positions engine: keep each row's last computed token
-            logits = logits[np.arange(len(rows)), feeds[3] - 1]
+        logits = self.engine.forward(*feeds)  # each row's last computed token
         done = []
         for i, (r, n) in enumerate(rows):
             self.computed_tokens += n

@@ -1,0 +1,233 @@
+"""Train llmc's code models on the Python standard library: `code-small` and `code-draft`.
+
+Run from the repo root (seeded; same torch version and thread count, same bytes):
+    python models/train_code.py tokenizer            # models/code-tokenizer/ (about 1 min)
+    python models/train_code.py code-small --steps N  # models/code-small/
+    python models/train_code.py code-draft --steps N  # models/code-draft/
+    python models/train_code.py code-small --measure-only  # re-measure the committed weights
+The steps each committed model was trained for, its tokens seen, wall time on this project's
+2-core machine, held-out loss and bits per byte are in its README.md (the model card), written by
+this script. CI never trains: the committed weights are what recipes use.
+
+Corpus: llmc.bench.corpus (the interpreter's standard library without tests; files held out by a
+hash of their path). Each file is one document: <s> text </s>. Training draws windows of
+SEQ_LEN + 1 tokens at seeded random offsets of the concatenated training documents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from llmc.bench import corpus  # noqa: E402
+
+MODELS = ROOT / "models"
+TOKENIZER_DIR = MODELS / "code-tokenizer"
+VOCAB_SIZE = 8192
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # ids 0, 1, 2
+SEQ_LEN = 256
+CONTEXT = 2048  # max_position_embeddings: engines may serve longer than the training windows
+
+ARCHS = {
+    # hidden, layers, heads, kv heads, intermediate, batch, peak lr
+    "code-small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=704, batch=16, lr=3e-3),
+    "code-draft": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=352, batch=16, lr=4e-3),
+}
+
+
+def train_tokenizer() -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    # Digits one by one (numbers are not memorized as wholes); GPT-2's regex keeps whitespace runs
+    # (indentation) as tokens of their own.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[BOS, EOS, PAD],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus.read(corpus.files("train")), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                       special_tokens=[(BOS, 0)])
+    TOKENIZER_DIR.mkdir(exist_ok=True)
+    tok.save(str(TOKENIZER_DIR / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+              "model_max_length": CONTEXT, "add_bos_token": True, "add_eos_token": False,
+              "clean_up_tokenization_spaces": False}
+    (TOKENIZER_DIR / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (TOKENIZER_DIR / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, indent=2) + "\n")
+    corpus.RECORDED.write_text(json.dumps(corpus.record(), indent=1) + "\n")
+
+
+def _documents(split: str, tok) -> list[list[int]]:
+    """Each file as <s> ids </s>."""
+    texts = corpus.read(corpus.files(split))
+    return [enc.ids + [1] for enc in tok.encode_batch(texts)], texts
+
+
+def heldout_bits_per_byte(model, tok) -> tuple[float, float, int]:
+    """(mean loss in nats per token, bits per byte, tokens scored) on the held-out files, each in
+    consecutive windows of SEQ_LEN tokens (the first token of each window is context only)."""
+    import torch
+
+    docs, texts = _documents("heldout", tok)
+    nll, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for ids in docs:
+            for start in range(0, len(ids) - 1, SEQ_LEN):
+                window = torch.tensor([ids[start:start + SEQ_LEN + 1]])
+                if window.shape[1] < 2:
+                    continue
+                logits = model(window[:, :-1]).logits.float()
+                loss = torch.nn.functional.cross_entropy(logits[0], window[0, 1:], reduction="sum")
+                nll, count = nll + loss.item(), count + window.shape[1] - 1
+    model.train()
+    text_bytes = sum(len(t.encode("utf-8")) for t in texts)  # every byte's tokens are scored (and </s>)
+    return nll / count, nll / math.log(2) / text_bytes, count
+
+
+def train(name: str, steps: int, seed: int) -> None:
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    torch.set_num_threads(2)
+    arch = dict(ARCHS[name])
+    batch, peak_lr = arch.pop("batch"), arch.pop("lr")
+    tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    docs, _ = _documents("train", tok)
+    stream = torch.tensor([t for d in docs for t in d], dtype=torch.int64)
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=CONTEXT, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                         rope_theta=10000.0, head_dim=arch["hidden_size"] // arch["num_attention_heads"], **arch)
+    model = LlamaForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
+    warmup = max(1, steps // 20)
+
+    def lr_at(step: int) -> float:  # linear warmup, cosine down to 10%
+        if step < warmup:
+            return peak_lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return peak_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    gen = torch.Generator().manual_seed(seed)
+    print(f"{name}: {params / 1e6:.2f}M parameters, {len(stream) / 1e6:.2f}M training tokens, {steps} steps "
+          f"of {batch}x{SEQ_LEN}", flush=True)
+    start, smooth = time.time(), None
+    for step in range(steps):
+        offsets = torch.randint(0, len(stream) - SEQ_LEN - 1, (batch,), generator=gen)
+        window = torch.stack([stream[o:o + SEQ_LEN + 1] for o in offsets.tolist()])
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        logits = model(window[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB_SIZE), window[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        smooth = loss.item() if smooth is None else 0.98 * smooth + 0.02 * loss.item()
+        if step % 50 == 0 or step == steps - 1:
+            rate = (step + 1) * batch * SEQ_LEN / (time.time() - start)
+            print(f"step {step} loss {smooth:.3f} lr {lr_at(step):.2e} {rate:.0f} tok/s "
+                  f"{time.time() - start:.0f}s", flush=True)
+    minutes = (time.time() - start) / 60
+
+    out = MODELS / name
+    shutil.rmtree(out, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)  # what is committed
+    GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(out)
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copyfile(f, out / f.name)
+    card = {"name": name, "parameters": params, "steps": steps, "batch": batch, "seq_len": SEQ_LEN,
+            "tokens_seen": steps * batch * SEQ_LEN, "train_tokens": len(stream), "peak_lr": peak_lr,
+            "seed": seed, "minutes": round(minutes, 1), "torch": torch.__version__, "python": sys.version.split()[0]}
+    (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
+    measure(name)
+
+
+PROBE_TOKENS = 512  # the model card's probe: the first held-out tokens, checked by tests/test_trained_models.py
+
+
+def probe_loss(model, tok) -> float:
+    """Mean loss (nats/token) on the first PROBE_TOKENS tokens of the held-out files, one window."""
+    import torch
+
+    docs, _ = _documents("heldout", tok)
+    ids = torch.tensor([[t for d in docs for t in d][:PROBE_TOKENS + 1]])
+    with torch.no_grad():
+        logits = model(ids[:, :-1]).logits.float()
+    return torch.nn.functional.cross_entropy(logits[0], ids[0, 1:]).item()
+
+
+def measure(name: str) -> None:
+    """Measure the committed weights (as loaded in fp32) on the held-out files; write the card."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    out = MODELS / name
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    loss, bpb, scored = heldout_bits_per_byte(model, tok)
+    card = json.loads((out / "training.json").read_text())
+    card.update(heldout_loss=round(loss, 4), heldout_bits_per_byte=round(bpb, 4), heldout_tokens=scored,
+                probe_tokens=PROBE_TOKENS, probe_loss=round(probe_loss(model, tok), 5))
+    (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
+    (out / "README.md").write_text(_model_card(card, model.config))
+    print(json.dumps(card, indent=2))
+
+
+def _model_card(card: dict, config) -> str:
+    return f"""# {card['name']}
+
+A Llama-architecture model trained by `python models/train_code.py {card['name']} --steps {card['steps']}` on the
+Python {card['python']} standard library (without its tests; `llmc.bench.corpus`, split recorded in
+`llmc/bench/corpus_split.json`). Weights are bf16.
+
+| | |
+|---|---|
+| parameters | {card['parameters'] / 1e6:.2f} M ({config.num_hidden_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, {config.num_key_value_heads} KV heads, intermediate {config.intermediate_size}, tied embeddings) |
+| tokenizer | byte-level BPE, {VOCAB_SIZE} entries, digits split, whitespace runs kept (`models/code-tokenizer`) |
+| training | {card['steps']} steps of {card['batch']} x {card['seq_len']} tokens = {card['tokens_seen'] / 1e6:.1f} M tokens seen ({card['tokens_seen'] / card['train_tokens']:.1f} passes over {card['train_tokens'] / 1e6:.2f} M training tokens), AdamW, peak lr {card['peak_lr']}, cosine, seed {card['seed']} |
+| wall time | {card['minutes']} min on 2 CPU cores (torch {card['torch']}) |
+| held-out loss | {card['heldout_loss']} nats/token over {card['heldout_tokens']} tokens (windows of {card['seq_len']}) |
+| held-out bits per byte | {card['heldout_bits_per_byte']} (the same held-out files: `gzip -9` 1.86, `xz -9` 1.57, each on the files concatenated) |
+| probe | loss {card['probe_loss']} on the first {card['probe_tokens']} held-out tokens (checked by the tests) |
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["tokenizer", *ARCHS])
+    parser.add_argument("--measure-only", action="store_true", help="re-measure the committed weights")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.what == "tokenizer":
+        train_tokenizer()
+    elif args.measure_only:
+        measure(args.what)
+    else:
+        train(args.what, args.steps, args.seed)
+
+
+if __name__ == "__main__":
+    main()
