@@ -34,7 +34,7 @@ TOKENIZER_DIR = MODELS / "code-tokenizer"
 VOCAB_SIZE = 8192
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"  # ids 0, 1, 2
 SEQ_LEN = 256
-CONTEXT = 2048  # max_position_embeddings: engines may serve longer than the training windows
+CONTEXT = SEQ_LEN  # max_position_embeddings: the models never saw a position beyond their windows
 
 ARCHS = {
     # hidden, layers, heads, kv heads, intermediate, batch, peak lr
@@ -205,6 +205,7 @@ Python {card['python']} standard library (without its tests; `llmc.bench.corpus`
 | | |
 |---|---|
 | parameters | {card['parameters'] / 1e6:.2f} M ({config.num_hidden_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, {config.num_key_value_heads} KV heads, intermediate {config.intermediate_size}, tied embeddings) |
+| context | {config.max_position_embeddings} tokens: the training windows (positions beyond were never seen) |
 | tokenizer | byte-level BPE, {VOCAB_SIZE} entries, digits split, whitespace runs kept (`models/code-tokenizer`) |
 | training | {card['steps']} steps of {card['batch']} x {card['seq_len']} tokens = {card['tokens_seen'] / 1e6:.1f} M tokens seen ({card['tokens_seen'] / card['train_tokens']:.1f} passes over {card['train_tokens'] / 1e6:.2f} M training tokens), AdamW, peak lr {card['peak_lr']}, cosine, seed {card['seed']} |
 | wall time | {card['minutes']} min on 2 CPU cores (torch {card['torch']}) |

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from llmc.errors import ModelError
 
-DEFAULT_RECIPE = "tiny-llama"
+DEFAULT_RECIPE = "code-small"
 
 # Files a finished model folder must hold; a folder missing any is rebuilt.
 _REQUIRED_FILES = (

@@ -1,0 +1,71 @@
+"""The models trained here (models/train_code.py): committed weights still measure what their model
+cards say, the held-out split is the recorded one, and engines of them match transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from llmc.bench import corpus
+from llmc.compiler import recipes
+
+TRAINED = recipes.trained_models()
+_SCRIPT = recipes.RECIPES_DIR / "train_code.py"
+
+
+def _train_code():
+    spec = importlib.util.spec_from_file_location("train_code", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_both_models_are_committed_and_code_small_is_the_default():
+    assert {"code-small", "code-draft"} <= set(TRAINED)
+    assert recipes.DEFAULT_RECIPE == "code-small"
+    size = sum(f.stat().st_size for name in TRAINED for f in (recipes.RECIPES_DIR / name).glob("*.safetensors"))
+    assert size <= 40 * 2**20
+
+
+def test_heldout_split_is_the_recorded_one():
+    recorded = json.loads(corpus.RECORDED.read_text())
+    assert all(corpus.split_of(path) == "heldout" for path in recorded["heldout"])
+    if corpus.check_recorded() is not None:
+        pytest.skip(corpus.check_recorded())
+    assert corpus.files("heldout") == recorded["heldout"]
+    assert not set(corpus.files("train")) & set(recorded["heldout"])
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_committed_weights_reach_their_model_cards_probe_loss(name):
+    if corpus.check_recorded() is not None:
+        pytest.skip(corpus.check_recorded())
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    folder = recipes.materialize(name)
+    card = json.loads((folder / "training.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    loss = _train_code().probe_loss(model, Tokenizer.from_file(str(folder / "tokenizer.json")))
+    assert loss == pytest.approx(card["probe_loss"], abs=1e-3)
+    # Trained: well below a uniform guess over the vocabulary.
+    assert loss < 0.8 * math.log(model.config.vocab_size)
+
+
+def test_code_small_engine_generates_what_transformers_does(engines, hf_models):
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling import SamplingParams
+
+    hf, folder = hf_models("code-small")
+    llm = LLM(engines("code-small"))
+    prompts = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for i in range(10):\n        "]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=40))
+    for prompt, out in zip(prompts, outputs):
+        ids = llm.encode(prompt)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
+        assert out.token_ids == ref[0, len(ids):].tolist()
