@@ -71,8 +71,8 @@ def train_tokenizer() -> None:
     corpus.RECORDED.write_text(json.dumps(corpus.record(), indent=1) + "\n")
 
 
-def _documents(split: str, tok) -> list[list[int]]:
-    """Each file as <s> ids </s>."""
+def _documents(split: str, tok) -> tuple[list[list[int]], list[str]]:
+    """(each file as <s> ids </s>, the files' texts)."""
     texts = corpus.read(corpus.files(split))
     return [enc.ids + [1] for enc in tok.encode_batch(texts)], texts
 

@@ -156,10 +156,10 @@ class Engine:
         if step is None:
             if len(self._steps) >= 16:  # shapes come and go with the batch; keep the recent ones
                 self._steps.pop(next(iter(self._steps)))
-            shapes = {io.INPUT_IDS: (batch, seq), io.POSITION_IDS: (batch, seq), io.PAST_LENS: (batch,),
-                      io.QUERY_LENS: (batch,), io.BLOCK_TABLES: (batch, width), io.LOGITS_INDICES: (num_logits,)}
+            sizes = {io.BATCH: batch, io.SEQ: seq, io.MAX_BLOCKS: width, io.NUM_LOGITS: num_logits}
             step = self._steps[key] = _StepBuffers(
-                inputs={name: np.zeros(shapes[name], dtype) for name, dtype in io.STEP_INPUTS.items()},
+                inputs={name: np.zeros([sizes[d] for d in io.STEP_SHAPES[name]], dtype)
+                        for name, dtype in io.STEP_INPUTS.items()},
                 logits=np.empty((num_logits, self.spec.vocab_size), np.float32),
                 last_of_row=np.arange(batch, dtype=np.int64) * seq - 1)
         if self._bound is not step:
