@@ -2,10 +2,15 @@
 
     python benchmarks/peers_worker.py serve {llmc,llama.cpp,ort-genai,bandwidth} --model PATH --threads N
     python benchmarks/peers_worker.py convert-gguf --src HF_DIR --out FILE.gguf --llama-cpp SRC_DIR
+    python benchmarks/peers_worker.py quantize-gguf --src F32.gguf --out FILE.gguf --ftype {f16,bf16,q8_0,q4_0,q4_k_m}
 
 This file runs under two interpreters: the repo's venv (llmc, bandwidth) and the peers' venv
 (llama.cpp, ORT GenAI), so at module level it imports only the standard library and numpy, and
 each backend imports its own runtime lazily.
+
+Besides timing, every model backend answers `accuracy` (benchmarks/quant_accuracy.py): the logits
+it gives at chosen positions of token windows, held against a reference's logits saved to an .npy
+file, so only per-token numbers (KL, NLL, top-1 match) travel back over the pipe.
 
 Protocol: the driver writes one JSON request per line on stdin; the worker answers one JSON line
 on the protocol pipe, which is the process's original stdout. fd 1 itself is pointed at stderr
@@ -22,6 +27,61 @@ import time
 import traceback
 
 import numpy as np
+
+
+# -- accuracy against reference logits -----------------------------------------------------------
+
+_ROWS = 64  # rows per float64 log-softmax, as llmc.bench.eval
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return x
+
+
+def token_stats(logits: np.ndarray, targets: np.ndarray, ref_logits: np.ndarray):
+    """Per token, exactly as llmc.bench.eval._token_stats: NLL of the target under `logits` and
+    under the reference, KL(reference || logits) in nats over the whole vocabulary (float64), and
+    whether both argmaxes agree."""
+    n = len(targets)
+    nll, ref_nll, kl = np.empty(n), np.empty(n), np.empty(n)
+    for start in range(0, n, _ROWS):
+        rows = slice(start, start + _ROWS)
+        ar = np.arange(len(targets[rows]))
+        lq = _log_softmax(logits[rows])
+        lp = _log_softmax(ref_logits[rows])
+        nll[rows] = -lq[ar, targets[rows]]
+        ref_nll[rows] = -lp[ar, targets[rows]]
+        kl[rows] = (np.exp(lp) * (lp - lq)).sum(axis=-1)
+    return nll, ref_nll, kl, logits.argmax(axis=-1) == ref_logits.argmax(axis=-1)
+
+
+def accuracy(window_logits, plan: str, ref: str, vocab: int) -> dict:
+    """Runs `window_logits(tokens, need) -> [len(need), >= vocab]` over every window of `plan`
+    (an .npz: `tokens`, the windows' tokens end to end, and `windows`, rows of (token offset,
+    length, first needed position, count, reference row)) and holds each position's logits,
+    sliced to the model's `vocab` (a GGUF vocabulary may be padded), against the reference's
+    row in `ref` (an .npy [rows, vocab], memory-mapped). Windows are independent sequences from
+    position 0, as llmc eval runs them."""
+    p = np.load(plan)
+    tokens, wins = p["tokens"], p["windows"]
+    reference = np.load(ref, mmap_mode="r")
+    out = {"nll": [], "ref_nll": [], "kl": [], "same": []}
+    start = time.perf_counter()
+    for off, length, first, count, row in wins.tolist():
+        toks = tokens[off:off + length]
+        need = np.arange(first, first + count)
+        logits = np.asarray(window_logits(toks, need), dtype=np.float32)[:, :vocab]
+        nll, ref_nll, kl, same = token_stats(logits, toks[need + 1].astype(np.int64),
+                                             np.asarray(reference[row:row + count]))
+        out["nll"] += nll.tolist()
+        out["ref_nll"] += ref_nll.tolist()
+        out["kl"] += kl.tolist()
+        out["same"] += [bool(x) for x in same]
+    out["seconds"] = time.perf_counter() - start
+    return out
 
 
 # -- llmc ---------------------------------------------------------------------------------------
@@ -73,7 +133,8 @@ class LlmcBackend:
 
 
 class LlamaCppBackend:
-    def __init__(self, gguf: str, threads: int, max_seqs: int, ctx_per_seq: int, kv_type: str):
+    def __init__(self, gguf: str, threads: int, max_seqs: int, ctx_per_seq: int, kv_type: str,
+                 flash_attn: str = "auto"):
         import llama_cpp as ll
 
         self.ll = ll
@@ -84,7 +145,10 @@ class LlamaCppBackend:
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
         self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
-        kv = {"f32": ll.GGML_TYPE_F32, "f16": ll.GGML_TYPE_F16}[kv_type]
+        kv = {"f32": ll.GGML_TYPE_F32, "f16": ll.GGML_TYPE_F16, "q8_0": ll.GGML_TYPE_Q8_0}[kv_type]
+        # A quantized V cache needs flash attention; "auto" (llama.cpp's default) leaves the choice to it.
+        fa = {"auto": ll.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": ll.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+              "off": ll.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
 
         def context(n_seq: int):
             p = ll.llama_context_default_params()
@@ -93,6 +157,7 @@ class LlamaCppBackend:
             p.n_batch = p.n_ubatch = max(512, n_seq * 128)  # a whole prompt batch in one ubatch
             p.n_threads = p.n_threads_batch = threads
             p.type_k = p.type_v = kv
+            p.flash_attn_type = fa
             p.no_perf = True
             ctx = ll.llama_init_from_model(self.model, p)
             if not ctx:
@@ -100,9 +165,12 @@ class LlamaCppBackend:
             return ctx
 
         # One context per shape, both made up front so no allocation lands inside a measurement.
-        self.ctx1, self.ctxn = context(1), context(max_seqs)
+        self.ctx1 = context(1)
+        self.ctxn = context(max_seqs) if max_seqs > 1 else self.ctx1
         self.batch = ll.llama_batch_init(max_seqs * ctx_per_seq, 0, 1)
         self.info = {"runtime": "llama.cpp", "gguf": gguf, "threads": threads, "kv_type": kv_type,
+                     "flash_attn": flash_attn,
+                     "ftype": ll.llama_model_ftype(self.model) if hasattr(ll, "llama_model_ftype") else None,
                      "llama_cpp_python": ll.__version__,
                      "system_info": ll.llama_print_system_info().decode(errors="replace").strip()}
 
@@ -169,6 +237,18 @@ class LlamaCppBackend:
         tokens, times = self._run1(prompt, n)
         return {"ttft": times[0] - start, "tpot": (times[-1] - times[0]) / (n - 1)}
 
+    def window_logits(self, tokens, need):
+        """Logits at positions `need` of one window run from position 0 in a fresh cache."""
+        ctx = self.ctx1
+        self._clear(ctx)
+        want = set(need.tolist())
+        self._fill([(int(t), p, 0, p in want) for p, t in enumerate(tokens)])
+        self._decode(ctx)
+        return np.stack([self._logits(ctx, int(i)).copy() for i in need])
+
+    def accuracy(self, plan, ref, vocab):
+        return accuracy(self.window_logits, plan, ref, vocab)
+
     def decode(self, prompts, steps):
         ctx = self.ctxn
         self._clear(ctx)
@@ -201,6 +281,7 @@ class OrtGenAIBackend:
         cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {
             "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
         self.model = og.Model(cfg)
+        self.model_dir, self.threads = model_dir, threads
         self.info = {"runtime": "ort-genai", "model": model_dir, "threads": threads,
                      "onnxruntime_genai": getattr(og, "__version__", "?")}
 
@@ -246,6 +327,45 @@ class OrtGenAIBackend:
         # "setup" (making the Generator) is inside TTFT; reported so a reader can take it out.
         return {"ttft": times[0] - start, "tpot": (times[-1] - times[0]) / (n - 1), "setup": self.made - start}
 
+    def window_logits(self, tokens, need):
+        """Logits at positions `need` of one window, from the builder's model.onnx run by onnxruntime
+        (the library onnxruntime-genai itself loads) with an empty past: ORT GenAI's Generator hands
+        out only the last position's logits, the graph (built without prune_lm_head) all of them."""
+        if getattr(self, "session", None) is None:
+            import onnxruntime as ort
+
+            with open(os.path.join(self.model_dir, "genai_config.json")) as f:
+                decoder = json.load(f)["model"]["decoder"]
+            self.decoder = decoder
+            so = ort.SessionOptions()
+            so.intra_op_num_threads, so.inter_op_num_threads = self.threads, 1
+            self.session = ort.InferenceSession(os.path.join(self.model_dir, decoder["filename"]), so,
+                                                providers=["CPUExecutionProvider"])
+        n = len(tokens)
+        feeds = {}
+        for i in self.session.get_inputs():
+            if i.name == "input_ids":
+                feeds[i.name] = np.asarray(tokens, np.int64)[None, :]
+            elif i.name == "attention_mask":
+                feeds[i.name] = np.ones((1, n), np.int64)
+            elif i.name == "position_ids":
+                feeds[i.name] = np.arange(n, dtype=np.int64)[None, :]
+            elif i.name.startswith("past_key_values"):
+                dtype = {"tensor(float)": np.float32, "tensor(float16)": np.float16}[i.type]
+                dims = [d if isinstance(d, int) else None for d in i.shape]  # [batch, kv heads, past, head dim]
+                feeds[i.name] = np.zeros((1, dims[1] or self.decoder["num_key_value_heads"], 0,
+                                          dims[3] or self.decoder["head_size"]), dtype)
+            else:
+                raise RuntimeError(f"unexpected input {i.name} of the ORT GenAI model")
+        logits = self.session.run(["logits"], feeds)[0]
+        if logits.shape[1] != n:
+            raise RuntimeError(f"the model returns {logits.shape[1]} positions' logits for {n} tokens; build it "
+                               "without prune_lm_head")
+        return logits[0, need].astype(np.float32)
+
+    def accuracy(self, plan, ref, vocab):
+        return accuracy(self.window_logits, plan, ref, vocab)
+
     def decode(self, prompts, steps):
         gen = self._generator(len(prompts), len(prompts[0]) + steps + 1)
         gen.append_tokens(np.asarray(prompts, dtype=np.int32))
@@ -281,6 +401,18 @@ float read_sum(const float *p, size_t n, int threads) {
             a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + i + 48));
         }
         float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#elif defined(__AVX2__)
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (; i + 32 <= hi; i += 32) {
+            a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p + i));
+            a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p + i + 8));
+            a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p + i + 16));
+            a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p + i + 24));
+        }
+        __m256 v = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, v);
+        float s = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
 #else
         float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
         for (; i + 4 <= hi; i += 4) { s0 += p[i]; s1 += p[i + 1]; s2 += p[i + 2]; s3 += p[i + 3]; }
@@ -290,6 +422,16 @@ float read_sum(const float *p, size_t n, int threads) {
         total += s;
     }
     return total;
+}
+/* Which vector width the loop above was compiled with, for the method string. */
+int read_isa(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__)
+    return 256;
+#else
+    return 0;
+#endif
 }
 """
 
@@ -317,9 +459,11 @@ def _read_kernel(cache: str):
         if r.returncode != 0:
             return None, f"compile failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
         os.replace(tmp, lib)
-    fn = ctypes.CDLL(lib).read_sum
+    so = ctypes.CDLL(lib)
+    fn = so.read_sum
     fn.restype = ctypes.c_float
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.isa = {512: "AVX-512", 256: "AVX2"}.get(so.read_isa(), "scalar")
     return fn, lib
 
 
@@ -339,7 +483,7 @@ class BandwidthBackend:
         self.buf = np.ones(mib * 2**20 // 4, dtype=np.float32)  # touched now: no page faults later
         self.kernel, note = _read_kernel(cache)
         if self.kernel is not None:
-            method = f"C AVX-512 read kernel, {threads} OpenMP threads, {mib} MiB float32 buffer, best pass"
+            method = f"C {self.kernel.isa} read kernel, {threads} OpenMP threads, {mib} MiB float32 buffer, best pass"
         else:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -378,7 +522,8 @@ def serve(args) -> None:
         if args.backend == "llmc":
             backend = LlmcBackend(args.model, args.threads, args.max_seqs)
         elif args.backend == "llama.cpp":
-            backend = LlamaCppBackend(args.model, args.threads, args.max_seqs, args.ctx_per_seq, args.kv_type)
+            backend = LlamaCppBackend(args.model, args.threads, args.max_seqs, args.ctx_per_seq, args.kv_type,
+                                      args.flash_attn)
         elif args.backend == "ort-genai":
             backend = OrtGenAIBackend(args.model, args.threads)
         else:
@@ -410,8 +555,10 @@ def convert_gguf(args) -> None:
     and refuses hashes it does not list. llmc's tokenizer is trained in this repo, so its hash is
     unknown, but its pre-tokenizer is exactly GPT-2's: a ByteLevel step with GPT-2's regex
     (use_regex=true) and nothing else. For such a tokenizer, and only then, an unrecognised
-    hash is answered with "gpt-2", the name llama.cpp uses for that regex. Anything else still
-    fails as upstream would. The benchmark feeds token ids, so the tokenizer never touches timing.
+    hash is answered with "gpt-2", the name llama.cpp uses for that regex; for a Sequence of
+    Digits(individual_digits) then that same ByteLevel step (the trained code models' tokenizer),
+    with "starcoder", llama.cpp's name for single digits followed by GPT-2's regex. Anything else
+    still fails as upstream would. The benchmark feeds token ids, so the tokenizer never touches timing.
     """
     src = os.path.abspath(args.llama_cpp)
     sys.path.insert(0, src)
@@ -426,11 +573,22 @@ def convert_gguf(args) -> None:
         except NotImplementedError:
             with open(os.path.join(self.dir_model, "tokenizer.json"), encoding="utf-8") as f:
                 pre = json.load(f).get("pre_tokenizer") or {}
-            if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+            if byte_level(pre):
                 print("peers: unknown BPE pre-tokenizer hash; it is a plain GPT-2 ByteLevel regex "
                       "split, so using tokenizer.ggml.pre = 'gpt-2'", file=sys.stderr)
                 return "gpt-2"
+            steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else []
+            if (len(steps) == 2 and steps[0].get("type") == "Digits" and steps[0].get("individual_digits")
+                    and byte_level(steps[1])):
+                # StarCoder's: every digit on its own (llama.cpp's first regex, \p{N}), then GPT-2's.
+                print("peers: unknown BPE pre-tokenizer hash; it is single digits then a GPT-2 ByteLevel "
+                      "regex split, so using tokenizer.ggml.pre = 'starcoder'", file=sys.stderr)
+                return "starcoder"
             raise
+
+    def byte_level(step):
+        return (step.get("type") == "ByteLevel" and step.get("use_regex", True)
+                and not step.get("add_prefix_space", False))
 
     TextModel.get_vocab_base_pre = get_vocab_base_pre
     sys.argv = ["convert_hf_to_gguf.py", args.src, "--outfile", args.out, "--outtype", args.outtype,
@@ -438,6 +596,28 @@ def convert_gguf(args) -> None:
     import runpy
 
     runpy.run_path(os.path.join(src, "convert_hf_to_gguf.py"), run_name="__main__")
+
+
+# llama_ftype names of llama.cpp's include/llama.h (LLAMA_FTYPE_MOSTLY_*), as peers.py spells them.
+GGUF_FTYPES = {"f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
+
+
+def quantize_gguf(args) -> None:
+    """llama.cpp's own quantizer (what `llama-quantize` runs) through llama-cpp-python's C API:
+    llama_model_quantize with llama_model_quantize_default_params() and only the ftype set, so
+    the output tensor, the embedding and the 1-d tensors get the types llama.cpp picks for that
+    ftype by default (no importance matrix)."""
+    import ctypes
+
+    import llama_cpp as ll
+
+    ll.llama_backend_init()
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = getattr(ll, f"LLAMA_FTYPE_MOSTLY_{GGUF_FTYPES[args.ftype]}")
+    params.nthread = args.threads
+    rc = ll.llama_model_quantize(args.src.encode(), args.out.encode(), ctypes.byref(params))
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize returned {rc}")
 
 
 def main() -> None:
@@ -449,7 +629,8 @@ def main() -> None:
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--max-seqs", type=int, default=8)
     s.add_argument("--ctx-per-seq", type=int, default=512)
-    s.add_argument("--kv-type", choices=["f32", "f16"], default="f16")
+    s.add_argument("--kv-type", choices=["f32", "f16", "q8_0"], default="f16")
+    s.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto", help="llama.cpp only")
     s.add_argument("--buffer-mib", type=int, default=1024)
     s.add_argument("--cache", default="", help="where the bandwidth kernel is compiled to")
     c = sub.add_parser("convert-gguf")
@@ -458,9 +639,16 @@ def main() -> None:
     c.add_argument("--llama-cpp", required=True, help="llama.cpp source tree (vendor/llama.cpp of the sdist)")
     c.add_argument("--outtype", default="f32")
     c.add_argument("extra", nargs="*", help="more converter flags, after --")
+    q = sub.add_parser("quantize-gguf")
+    q.add_argument("--src", required=True, help="the f32 GGUF")
+    q.add_argument("--out", required=True)
+    q.add_argument("--ftype", required=True, choices=sorted(GGUF_FTYPES))
+    q.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
     if args.mode == "serve":
         serve(args)
+    elif args.mode == "quantize-gguf":
+        quantize_gguf(args)
     else:
         convert_gguf(args)
 

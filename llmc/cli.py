@@ -52,17 +52,40 @@ def main():
 @click.option("--lossless-weights", is_flag=True,
               help="Also store the weights in a lossless format 12.5% smaller that batch-1 to 8 decode reads "
                    "(same outputs, faster tokens; the engine holds both copies).")
+@click.option("--quant", default="none", show_default=True, metavar="none|int8|int4",
+              help="Quantize the projections' weights in blocks (int8/int4 GEMMs, activations quantized on the fly).")
+@click.option("--quant-block-size", default=32, show_default=True, help="Weights per quantization block: 32, 64 or 128.")
+@click.option("--asymmetric", is_flag=True, help="Asymmetric blocks (a zero point each) instead of symmetric ones.")
+@click.option("--quant-method", default="search", show_default=True, metavar="rtn|search|awq",
+              help="rtn: round to nearest; search: per-block scale search (data-free); awq: activation-aware, "
+                   "calibrated on --calibrate.")
+@click.option("--calibrate", default=None, metavar="FILE",
+              help="Text for --quant-method awq's activation statistics [default: the held-out corpus].")
+@click.option("--lm-head", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16|int8|int4",
+              help="The LM head's format (auto: int8 in a quantized build, else --weight-dtype).")
+@click.option("--embedding", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16|int8",
+              help="The embedding table's format (auto: int8 in a quantized build, else --weight-dtype).")
+@click.option("--weight-dtype", default="fp32", show_default=True, metavar="fp32|bf16|fp16",
+              help="Storage of the weights not quantized (16-bit storage, fp32 arithmetic).")
+@click.option("--kv-cache-dtype", default="fp32", show_default=True, metavar="fp32|fp16|bf16|int8",
+              help="KV cache storage (int8: per token and head scales); the pool holds more tokens per byte.")
 def build(model, output, block_size, max_context, disable_passes, list_passes, verify, dump_ir, overwrite,
-          explain, lossless_weights):
+          explain, lossless_weights, quant, quant_block_size, asymmetric, quant_method, calibrate, lm_head, embedding,
+          weight_dtype, kv_cache_dtype):
     """Compile MODEL (a recipe name, a local HF folder or a hub id) into an engine."""
     from llmc.contract.options import BuildOptions
 
     options = BuildOptions(block_size=block_size, max_context=max_context, disable_passes=tuple(disable_passes),
-                           verify=verify, lossless_weights=lossless_weights)
+                           verify=verify, lossless_weights=lossless_weights, quant=quant,
+                           quant_block_size=quant_block_size, quant_symmetric=not asymmetric,
+                           quant_method=quant_method, calibrate=calibrate, lm_head=lm_head, embedding=embedding,
+                           weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype)
     if list_passes:
         from llmc.passes.pipeline import phases
 
         for phase in phases(options):
+            if not phase.passes:
+                continue
             click.echo(f"{phase.name}:")
             for p in phase.passes:
                 tag = " (required)" if p.required else ""

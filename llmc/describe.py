@@ -59,6 +59,17 @@ def describe(manifest: Manifest, engine_dir: str | Path) -> str:
                     f"{graph_io.LOGITS_INDICES}")
     section("I/O", io_lines)
     section("Build options", _rows(to_json(m.build_options)))
+    q = m.quantization
+    body = _rows({"method": q.method, "block size": q.block_size, "symmetric": q.symmetric,
+                  "scale dtype": q.scale_dtype, "calibration": q.calibration,
+                  "tensors": ", ".join(f"{n} {fmt}" for fmt, n in q.formats.items()) or "none (all fp32)",
+                  "KV cache": m.kv_cache.dtype})
+    if q.tensors:
+        width = max(len(name) for name in q.tensors)
+        body += [f"  {'tensor':<{width}}  {'role':<9}  {'format':<6}  {'shape':>12}  rel. error"]
+        body += [f"  {name:<{width}}  {t.role:<9}  {t.format:<6}  {'x'.join(map(str, t.shape)):>12}  "
+                 f"{t.relative_error:.2e}" for name, t in q.tensors.items()]
+    section("Quantization", body)
     section("Tokenizer", _rows(to_json(m.tokenizer)))
     if m.passes:
         width = max(len("pass"), *(len(p.name) for p in m.passes))

@@ -34,15 +34,15 @@ class _Engines:
         self.root = root
         self._built: dict[str, Path] = {}
 
-    def __call__(self, recipe: str, *disabled_passes: str) -> Path:
-        key = (recipe, *disabled_passes)
+    def __call__(self, recipe: str, *disabled_passes: str, **options) -> Path:
+        key = (recipe, *disabled_passes, *(f"{k}={v}" for k, v in sorted(options.items())))
         if key not in self._built:
             from llmc.compiler.build import build
             from llmc.contract.options import BuildOptions
 
             out = self.root / "-".join(key)
-            build(recipe, out, BuildOptions(block_size=BLOCK_SIZE, max_context=MAX_CONTEXT, verify=True,
-                                            disable_passes=disabled_passes))
+            build(recipe, out, BuildOptions(**{"block_size": BLOCK_SIZE, "max_context": MAX_CONTEXT, "verify": True,
+                                               "disable_passes": disabled_passes, **options}))
             self._built[key] = out
         return self._built[key]
 
@@ -50,7 +50,7 @@ class _Engines:
 @pytest.fixture(scope="session")
 def engines(tmp_path_factory) -> _Engines:
     """`engines("tiny-llama")` -> engine dir, built once per session (`engines("tiny-llama",
-    "cpu-kernels")`: the same with those passes disabled)."""
+    "cpu-kernels")`: the same with those passes disabled; keywords are other BuildOptions)."""
     return _Engines(tmp_path_factory.mktemp("engines"))
 
 

@@ -16,8 +16,8 @@ from llmc.contract import engine_dir
 from llmc.contract.codec import ContractError, from_json, to_json
 from llmc.contract.engine_dir import MANIFEST, EngineWriter, open_engine
 from llmc.contract.graph_io import GraphIO
-from llmc.contract.manifest import (SCHEMA_VERSION, Backend, FileEntry, KVCache, Manifest, PassRecord, Payload, Source,
-                                    Tokenizer)
+from llmc.contract.manifest import (SCHEMA_VERSION, Backend, FileEntry, KVCache, Manifest, PassRecord, Payload,
+                                    Quantization, QuantizedTensor, Source, Tokenizer)
 from llmc.contract.model_spec import ModelSpec
 from llmc.contract.options import BuildOptions
 from llmc.contract.tuning import TUNING_FILE, write_tuning
@@ -44,7 +44,7 @@ def sample_manifest() -> Manifest:
         backend=Backend("onnxruntime", "cpu", ()),
         model_spec=spec,
         build_options=BuildOptions(block_size=16, max_context=256),
-        kv_cache=KVCache("token-major", "float32", 16, 2, 2, 16),
+        kv_cache=KVCache("token-major", "fp32", 16, 2, 2, 16),
         io=GraphIO.paged(2),
         payload=Payload("model.onnx", "model.onnx.data"),
         tokenizer=Tokenizer("tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
@@ -52,6 +52,8 @@ def sample_manifest() -> Manifest:
         generation_config="generation_config.json",
         passes=(PassRecord("merge-matmuls", True, {"qkv_merge": 2}, 0.12, 100, 96, 1e-6, ()),
                 PassRecord("cleanup", False, {"folded": 0}, 0.01, 96, 96, None, ("a rule that did not fire",))),
+        quantization=Quantization("search", 32, True, "float16", None,
+                                  {"w.q": QuantizedTensor("body", "int4", (64, 128), 0.09)}),
     )
 
 

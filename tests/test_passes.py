@@ -60,12 +60,15 @@ def test_the_pipeline_is_one_phased_list_built_from_the_options():
     assert [(ph.name, [p.name for p in ph.passes]) for ph in phases(BuildOptions())] == [
         ("canonicalize", ["cleanup", "native-gqa"]),
         ("fuse", ["merge-matmuls"]),
+        ("quantize", []),
         ("rewrite KV I/O", ["paged-kv-cache", "logits-indices"]),
         ("backend kernels", ["ort-fusions", "cpu-kernels"]),
         ("lower", ["ort-lower"]),
         ("layout", ["simplify-layout"]),
         ("weights", ["packed-matmul"]),
     ]
+    quantized = [(ph.name, [p.name for p in ph.passes]) for ph in phases(BuildOptions(quant="int4"))]
+    assert quantized[2] == ("quantize", ["quantize-weights"])
     names = [p.name for p in pipeline(BuildOptions(lossless_weights=True, disable_passes=("cleanup",)))]
     assert names == [n for n in DEFAULT_PASSES if n != "cleanup"] + ["lossless-weights"]
     with pytest.raises(LlmcError, match="unknown pass 'nope'"):

@@ -21,9 +21,10 @@ from llmc import __version__
 from llmc.contract import graph_io, kv_layout
 from llmc.contract.codec import to_json
 from llmc.contract.engine_dir import EngineWriter
-from llmc.contract.manifest import Backend, KVCache, Manifest, PassRecord, Payload, Source
+from llmc.contract.manifest import (Backend, KVCache, Manifest, PassRecord, Payload, Quantization, QuantizedTensor,
+                                   Source)
 from llmc.contract.model_spec import ModelSpec
-from llmc.contract.options import BuildOptions
+from llmc.contract.options import QUANT_BITS, BuildOptions
 from llmc.errors import LlmcError
 
 MODEL_FILE = "model.onnx"
@@ -50,6 +51,7 @@ class BuildReport:
     passes: list[PassRecord]
     peak_rss_mb: float
     parameters: int
+    quantized: dict[str, QuantizedTensor] = field(default_factory=dict)
 
     def markdown(self, spec: ModelSpec) -> str:
         lines = [
@@ -70,6 +72,11 @@ class BuildReport:
             diff = "not verified" if p.max_abs_diff is None else f"{p.max_abs_diff:.2e}"
             lines.append(f"| {p.name} | {'yes' if p.changed else 'no'} | {_counts_text(p.counts)} | "
                          f"{p.nodes_before} → {p.nodes_after} | {p.seconds:.3f} | {diff} |")
+        if self.quantized:
+            lines += ["", "## Quantized weights", "", "relative error = ||w - stored|| / ||w||", "",
+                      "| tensor | role | format | shape | relative error |", "|---|---|---|---|---:|"]
+            lines += [f"| {name} | {t.role} | {t.format} | {'x'.join(map(str, t.shape))} | {t.relative_error:.2e} |"
+                      for name, t in self.quantized.items()]
         misses = [(p.name, m) for p in self.passes for m in p.misses]
         if misses:
             lines += ["", "## Rules that did not fire", ""] + [f"- {n}: {m}" for n, m in misses]
@@ -100,6 +107,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
     from llmc.compiler.tokenizer import export_tokenizer
     from llmc.passes.manager import PassManager
     from llmc.passes.pipeline import pipeline
+    from llmc.passes.quantize_weights import QuantizeWeights, records_of
     from llmc.passes.verify import verifier
     from llmc.plugins import cpu
 
@@ -123,6 +131,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             raise LlmcError(f"--max-context {max_context} exceeds the model's max positions "
                             f"({spec.max_position_embeddings}); use a smaller value")
         options = dataclasses.replace(options, max_context=max_context)
+        _check_quantization(options, spec, passes)
         stage("resolve", t, f"{spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}")
 
         t = time.perf_counter()
@@ -137,12 +146,29 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         del hf_model
         stage("export", t, f"{sum(1 for _ in model.graph)} nodes")
 
+        calibration = None
+        if options.quant != "none" and options.quant_method == "awq" and \
+                any(isinstance(p, QuantizeWeights) for p in passes):
+            t = time.perf_counter()
+            say("calibrate", "tokenizing calibration text", False)
+            calibration, source = calibration_windows(folder, options.calibrate, max_context)
+            for p in passes:
+                if isinstance(p, QuantizeWeights):
+                    p.calibration = calibration
+            stage("calibrate", t, f"{calibration.size} tokens of {source}")
+
         t = time.perf_counter()
         manager = PassManager(passes, verifier=verifier(spec, options.block_size) if options.verify else None,
                               dump_dir=dump_ir,
                               on_pass=lambda r: say("passes", f"{r.name}: {_counts_text(r.counts)}", True))
         records = manager.run(model, spec)
         io = _graph_io(model, spec)
+        quantized = {name: QuantizedTensor(r["role"], r["format"], tuple(r["shape"]), round(r["relative_error"], 6))
+                     for name, r in records_of(model).items()}
+        if options.kv_cache_dtype != "fp32" and kv_layout.of_model(model) != kv_layout.HEAD_MAJOR:
+            raise LlmcError(f"--kv-cache-dtype {options.kv_cache_dtype} needs llmc's CPU attention kernel, which "
+                            "this build did not use (cpu-kernels disabled or the kernel library missing); "
+                            "drop --kv-cache-dtype or reinstall llmc with a C compiler")
         stage("passes", t, f"{len(records)} passes, {sum(1 for _ in model.graph)} nodes")
 
         t = time.perf_counter()
@@ -155,7 +181,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         _save_generation_config(folder, spec, writer.path / GENERATION_CONFIG)
         stage("save", t)
 
-        report = BuildReport(model_ref, __version__, stages, records, round(peak_rss_mb(), 1), num_params)
+        report = BuildReport(model_ref, __version__, stages, records, round(peak_rss_mb(), 1), num_params, quantized)
         (writer.path / "build_report.json").write_text(json.dumps(to_json(report), indent=2))
         (writer.path / "build_report.md").write_text(report.markdown(spec))
         writer.commit(Manifest(
@@ -163,15 +189,66 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             backend=Backend("onnxruntime", "cpu", (cpu.DOMAIN,) if cpu.DOMAIN in model.opset_imports else ()),
             model_spec=spec,
             build_options=options,
-            kv_cache=KVCache(kv_layout.of_model(model), "float32", options.block_size, spec.num_layers,
+            kv_cache=KVCache(kv_layout.of_model(model), options.kv_cache_dtype, options.block_size, spec.num_layers,
                              spec.num_kv_heads, spec.head_dim),
             io=io,
             payload=Payload(MODEL_FILE, WEIGHTS_FILE),
             tokenizer=tokenizer.manifest_entry(TOKENIZER_DIR),
             generation_config=GENERATION_CONFIG,
             passes=tuple(records),
+            quantization=_quantization(options, quantized, calibration is not None),
         ))
     return BuildResult(output, stages, peak_rss_mb(), manager.misses)
+
+
+def _check_quantization(options: BuildOptions, spec: ModelSpec, passes) -> None:
+    """Options the model or this install cannot honour, before the minutes of export."""
+    block = options.quant_block_size
+    roles = {"the projections": "body", "--lm-head": "lm_head", "--embedding": "embedding"}
+    if any(options.format_of(role) in QUANT_BITS for role in roles.values()):
+        for what, size in (("hidden size", spec.hidden_size), ("intermediate size", spec.intermediate_size)):
+            if size % block:
+                fits = [str(b) for b in (32, 64, 128) if spec.hidden_size % b == 0 and spec.intermediate_size % b == 0]
+                raise LlmcError(f"--quant-block-size {block} does not divide the model's {what} ({size}); "
+                                f"use {' or '.join(fits) if fits else 'no integer quantization for this model'}")
+    if options.calibrate is not None and not Path(options.calibrate).is_file():
+        raise LlmcError(f"--calibrate {options.calibrate}: no such file; give a text file (UTF-8)")
+    if options.kv_cache_dtype != "fp32" and not any(p.name == "cpu-kernels" for p in passes):
+        raise LlmcError(f"--kv-cache-dtype {options.kv_cache_dtype} needs the cpu-kernels pass; "
+                        "do not disable it, or drop --kv-cache-dtype")
+
+
+def calibration_windows(folder: Path, text_file: str | None, max_context: int, tokens: int = 4096):
+    """Token windows [W, S] of calibration text: a file, or the held-out corpus; and what it was."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    if text_file is not None:
+        path = Path(text_file)
+        text, source = path.read_text(encoding="utf-8", errors="replace"), str(path)
+    else:
+        from llmc.bench import corpus
+
+        text, source = "\n".join(corpus.read(corpus.files("heldout"))), "the held-out corpus"
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    tokenizer.model_max_length = 2**62  # the text is cut into windows below: no warning about its length
+    ids = tokenizer(text[:tokens * 16], add_special_tokens=False)["input_ids"][:tokens]
+    width = min(256, max_context)
+    if len(ids) < width:
+        raise LlmcError(f"--calibrate {source}: {len(ids)} tokens, fewer than one window of {width}; give more text")
+    count = len(ids) // width
+    return np.asarray(ids[:count * width], np.int64).reshape(count, width), source
+
+
+def _quantization(options: BuildOptions, tensors: dict[str, QuantizedTensor], calibrated: bool) -> Quantization:
+    integer = any(t.format in QUANT_BITS for t in tensors.values())
+    return Quantization(
+        method=options.quant_method if integer else "none",
+        block_size=options.quant_block_size if integer else None,
+        symmetric=options.quant_symmetric if integer else None,
+        scale_dtype="float16" if integer else None,
+        calibration=(options.calibrate or "held-out corpus") if calibrated else None,
+        tensors=tensors)
 
 
 def _counts_text(counts: dict[str, int]) -> str:

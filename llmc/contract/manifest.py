@@ -18,8 +18,8 @@ from llmc.contract.options import BuildOptions
 
 # 4: model_spec.layer_types. 5: the graph takes logits_indices and returns logits [N, V]; io.logits
 # ("last" / "all") is gone, so an older engine's graph cannot serve a step of this runtime.
-SCHEMA_VERSION = 5
-DTYPE_BYTES = {"float32": 4}
+# 6: quantization; kv_cache.dtype names the pool's storage (fp32, fp16, bf16, int8).
+SCHEMA_VERSION = 6
 # Sizes that are counts: a hand-edited 0 or negative one would divide by zero or shape nothing.
 _SIZES = {"model_spec": ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                          "vocab_size", "max_position_embeddings"),
@@ -45,19 +45,55 @@ class KVCache:
     """How each layer's pool holds its blocks (llmc.contract.kv_layout)."""
 
     layout: Literal["token-major", "head-major"]
-    dtype: Literal["float32"]
+    dtype: Literal["fp32", "fp16", "bf16", "int8"]
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
 
     def pool_shape(self, num_blocks) -> tuple:
-        return kv_layout.pool_shape(self.layout, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return kv_layout.pool_shape(self.layout, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                                    self.dtype)
+
+    @property
+    def numpy_dtype(self):
+        return kv_layout.numpy_dtype(self.dtype)
 
     @property
     def block_bytes(self) -> int:
-        """K and V of one block, all layers."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        """K and V of one block (with an int8 pool's scales), all layers."""
+        per_layer = 1
+        for size in self.pool_shape(1):
+            per_layer *= size
+        return self.num_layers * per_layer * self.numpy_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    role: Literal["body", "lm_head", "embedding"]
+    format: Literal["bf16", "fp16", "int8", "int4"]
+    shape: tuple[int, ...]  # [K, N] as the MatMul reads it (the embedding: [hidden, vocab])
+    relative_error: float  # ||w - stored|| / ||w||
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How the weights are stored: BuildOptions says what was asked, this what was done."""
+
+    method: Literal["none", "rtn", "search", "awq"]  # none: no integer weights
+    block_size: int | None  # weights per block along K (integer formats)
+    symmetric: bool | None
+    scale_dtype: str | None  # the values every scale holds (float32 tensors of float16 values)
+    calibration: str | None  # what activation-aware statistics came from
+    tensors: dict[str, QuantizedTensor]  # every weight not stored in fp32, by its graph name
+
+    @property
+    def formats(self) -> dict[str, int]:
+        """How many tensors each format holds."""
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            counts[t.format] = counts.get(t.format, 0) + 1
+        return counts
 
 
 @dataclass(frozen=True)
@@ -111,6 +147,7 @@ class Manifest:
     tokenizer: Tokenizer
     generation_config: str
     passes: tuple[PassRecord, ...]
+    quantization: Quantization
     # Filled in by EngineWriter.commit:
     files: dict[str, FileEntry] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -153,9 +190,10 @@ class Manifest:
         """The inputs and outputs the engine's graph must have, each fixed size labelled with the
         key it comes from, for graph_io.disagreement to hold the graph against."""
         kv, vocab = self.kv_cache, self.model_spec.vocab_size
-        pool_keys = kv_layout.pool_shape(kv.layout, None, "kv_cache.block_size", "kv_cache.num_kv_heads",
-                                         "kv_cache.head_dim")
-        pool = TensorType(kv.dtype, kv.pool_shape(graph_io.NUM_BLOCKS), (None, *pool_keys[1:]))
+        shape = kv.pool_shape(graph_io.NUM_BLOCKS)
+        pool_keys = (None, None, "kv_cache.num_kv_heads", "kv_cache.block_size and head_dim") if len(shape) == 4 else \
+            kv_layout.pool_shape(kv.layout, None, "kv_cache.block_size", "kv_cache.num_kv_heads", "kv_cache.head_dim")
+        pool = TensorType(kv.numpy_dtype.name, shape, (None, *pool_keys[1:]))
         inputs = {name: TensorType(dtype, graph_io.STEP_SHAPES[name]) for name, dtype in graph_io.STEP_INPUTS.items()}
         logits = TensorType("float32", (graph_io.NUM_LOGITS, vocab), (None, "model_spec.vocab_size"))
         outputs = {graph_io.LOGITS: logits}

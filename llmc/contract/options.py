@@ -27,6 +27,14 @@ GRAPH_OPTIMIZATION_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_
 MAX_NUM_SEQS = 4096
 MAX_STEP_TOKENS = 65536
 
+# What a weight can be stored as. "fp32"/"bf16"/"fp16" compute in fp32; "int8"/"int4" are blockwise
+# quantized (ONNX DequantizeLinear with block_size, lowered to llmc's integer GEMMs).
+WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
+QUANT_BITS = {"int8": 8, "int4": 4}
+QUANT_METHODS = ("rtn", "search", "awq")  # round to nearest; data-free scale search; activation-aware
+QUANT_BLOCK_SIZES = (32, 64, 128)
+KV_CACHE_DTYPES = ("fp32", "fp16", "bf16", "int8")
+
 
 @dataclass(frozen=True)
 class BuildOptions:
@@ -35,14 +43,56 @@ class BuildOptions:
     disable_passes: tuple[str, ...] = ()
     verify: bool = False  # check every pass numerically against the graph before it
     lossless_weights: bool = False  # also store the packed weights in the lossless format
+    quant: str = "none"  # the projections' weights: "none" (weight_dtype), "int8" or "int4"
+    quant_block_size: int = 32  # weights per quantization block, along K
+    quant_symmetric: bool = True  # symmetric blocks (no zero point) or asymmetric (a zero point each)
+    quant_method: str = "search"  # QUANT_METHODS
+    lm_head: str = "auto"  # the LM head's format: WEIGHT_FORMATS, or "auto" (int8 when quant is int4, else quant)
+    embedding: str = "auto"  # the embedding table's: fp32, bf16, fp16, int8, or "auto" (int8 when quantized)
+    weight_dtype: str = "fp32"  # storage of the weights left unquantized: fp32, bf16, fp16
+    kv_cache_dtype: str = "fp32"  # KV_CACHE_DTYPES
+    calibrate: str | None = None  # text file for --quant-method awq; None: the held-out corpus
 
     def __post_init__(self):
+        _one_of("--quant", self.quant, ("none", *QUANT_BITS))
+        _one_of("--quant-method", self.quant_method, QUANT_METHODS)
+        _one_of("--lm-head", self.lm_head, ("auto", *WEIGHT_FORMATS))
+        # ONNX Runtime's Gather reads no 4-bit tensor, so the table is at least 8 bits.
+        _one_of("--embedding", self.embedding, ("auto", *WEIGHT_FORMATS[:4]))
+        _one_of("--weight-dtype", self.weight_dtype, WEIGHT_FORMATS[:3])
+        _one_of("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.quant_block_size not in QUANT_BLOCK_SIZES or isinstance(self.quant_block_size, bool):
+            raise LlmcError(f"--quant-block-size must be one of {', '.join(map(str, QUANT_BLOCK_SIZES))} "
+                            f"(got {self.quant_block_size!r})")
+        if self.calibrate is not None and self.quant_method != "awq":
+            raise LlmcError("--calibrate is read by --quant-method awq only; add it or drop --calibrate")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
                 or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise LlmcError(f"--block-size must be a power of two >= 1 (got {self.block_size})")
         if self.max_context is not None and self.max_context < 2:
             raise LlmcError(f"--max-context must be >= 2 (got {self.max_context})")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+
+
+    @property
+    def reduces_weights(self) -> bool:
+        """Whether any weight is stored in fewer than 32 bits (the quantize phase runs)."""
+        return any(self.format_of(role) != "fp32" for role in ("body", "lm_head", "embedding"))
+
+    def format_of(self, role: str) -> str:
+        """What a weight of `role` ("body", "lm_head", "embedding") is stored as."""
+        body = self.quant if self.quant != "none" else self.weight_dtype
+        if role == "body":
+            return body
+        choice = getattr(self, role)
+        if choice != "auto":
+            return choice
+        return body if self.quant == "none" else "int8"
+
+
+def _one_of(flag: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise LlmcError(f"{flag} must be one of {', '.join(choices)} (got {value!r})")
 
 
 def _tunable(default: Any) -> Any:

@@ -182,8 +182,10 @@ class CPUKernels(RulePass):
     description = "run PagedAttention (with its RoPE and packed QKV) and SwiGLU on llmc's CPU kernels"
     fixed_point = True  # the head round trip is there once the attention rewrite made it
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, kv_dtype: str = "fp32"):
         self.block_size = block_size
+        self.kv_dtype = kv_dtype  # the pools' storage; only this kernel reads anything but fp32
+        self.lossy = kv_dtype != "fp32"  # the cache rounds what it stores
 
     def requires(self, model, spec):
         return kernel_library_missing()
@@ -194,10 +196,12 @@ class CPUKernels(RulePass):
     def finish(self, model: ir.Model, spec: ModelSpec, counts) -> None:
         if counts.get(PagedAttentionKernel.name):
             shape = ir.Shape(kv_layout.pool_shape(kv_layout.HEAD_MAJOR, io.NUM_BLOCKS, self.block_size,
-                                                  spec.num_kv_heads, spec.head_dim))
+                                                  spec.num_kv_heads, spec.head_dim, self.kv_dtype))
+            element = ir.DataType.from_numpy(kv_layout.numpy_dtype(self.kv_dtype))
             for value in [*model.graph.inputs, *model.graph.outputs]:
                 if io.is_cache(value.name):
                     value.shape = shape
+                    value.type = ir.TensorType(element)
             kv_layout.set_layout(model, kv_layout.HEAD_MAJOR)
 
 

@@ -28,6 +28,8 @@ class LosslessWeight(Rule):
     def check(self, m):
         if len(m.node.inputs) != self.gemm.weight_input + 1:
             return "it already has a lossless copy"
+        if m.node.attributes.get_int("weight_format", 0) != 0:
+            return "its weight is not stored in fp32 (quantize-weights)"
         w = weight(m.node.inputs[self.gemm.weight_input])
         if w is None:
             return "the weight is not a constant initializer"

@@ -10,17 +10,25 @@ accumulate in registers, so a decode step of 8 or 16 rows costs about one read o
 - swiglu_matmul: `llmc.cpu::SwiGLU` feeding only a PackedMatMul (the down projection) ->
   `llmc.cpu::SwiGLUMatMul(gate_up, w)`.
 The folds remove nodes and their dispatch, not arithmetic.
+
+Weights quantize-weights stored in fewer bits are lowered here too: `MatMul(x,
+DequantizeLinear(q, scale[, zero_point]))` -> PackedMatMul over llmc's blockwise int8/int4 format,
+`MatMul(x, Cast(w16))` -> PackedMatMul over 16-bit panels (llmc.plugins.cpu.quant), the node's
+`weight_format` attribute saying which; the folds carry it along.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from llmc.contract.model_spec import ModelSpec
+from llmc.contract.options import QUANT_BLOCK_SIZES
 from llmc.passes.cpu_kernels import kernel_library_missing
 from llmc.passes.graph import weight
 from llmc.passes.rewrite import Rule, RulePass
 from llmc.plugins import cpu
+from llmc.plugins.cpu import quant
 
 
 class PackedMatMul(Rule):
@@ -45,6 +53,74 @@ class PackedMatMul(Rule):
         return op.PackedMatMul(m.x, packed, domain=cpu.DOMAIN, n=w.shape[1])
 
 
+# What an initializer's numpy dtype says about the format of a weight DequantizeLinear or Cast reads.
+BITS = {np.dtype(ml_dtypes.int4): 4, np.dtype(ml_dtypes.uint4): 4, np.dtype(np.int8): 8, np.dtype(np.uint8): 8}
+SIXTEEN_BIT = {np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float16): "fp16"}
+
+
+class QuantizedPackedMatMul(Rule):
+    """MatMul(x, DequantizeLinear(q, scale[, zero_point], axis=0, block_size)) -> PackedMatMul over
+    llmc's blockwise integer format."""
+
+    name = "packed_matmul_quantized"
+
+    def pattern(self, op, x, q, scale):
+        return op.MatMul(x, op.DequantizeLinear(q, scale, _other_inputs=True, _name="dq"))
+
+    def check(self, m):
+        q, scale = weight(m.q), weight(m.scale)
+        zero_point = m.dq.inputs[2] if len(m.dq.inputs) > 2 else None
+        if q is None or scale is None or (zero_point is not None and weight(zero_point) is None):
+            return "the quantized weight, its scales or zero points are not constant initializers"
+        bits = BITS.get(q.dtype)
+        if bits is None or q.ndim != 2:
+            return f"the quantized weight is {q.ndim}-D {q.dtype}, not 2-D int4/uint4/int8/uint8"
+        block = m.dq.attributes.get_int("block_size", 0)
+        if m.dq.attributes.get_int("axis", 1) != 0 or block not in QUANT_BLOCK_SIZES:
+            return f"not blocks along K of {'/'.join(map(str, QUANT_BLOCK_SIZES))} (axis 0)"
+        if scale.dtype != np.float32 or scale.shape != (q.shape[0] // block, q.shape[1]):
+            return f"the scales are {scale.dtype} {list(scale.shape)}, not float32 [K / block, N]"
+        return None
+
+    def rewrite(self, op, m):
+        q, scale = weight(m.q), weight(m.scale)
+        zero_point = weight(m.dq.inputs[2]) if len(m.dq.inputs) > 2 else None
+        bits, block = BITS[q.dtype], m.dq.attributes.get_int("block_size", 0)
+        as_bytes = q.astype(np.uint8 if zero_point is not None else np.int8)
+        blob = quant.pack_quantized(as_bytes, scale, None if zero_point is None else zero_point.astype(np.uint8),
+                                    bits, block)
+        packed = op.initializer(blob, f"{m.q.name}.packed")
+        return op.PackedMatMul(m.x, packed, domain=cpu.DOMAIN, n=q.shape[1],
+                               weight_format=quant.WEIGHT_FORMATS[f"int{bits}"], block_size=block,
+                               zero_points=int(zero_point is not None))
+
+
+class SixteenBitPackedMatMul(Rule):
+    """MatMul(x, Cast(w16, to=float)) -> PackedMatMul over 16-bit panels (fp32 arithmetic)."""
+
+    name = "packed_matmul_16bit"
+
+    def pattern(self, op, x, w):
+        return op.MatMul(x, op.Cast(w, _name="cast"))
+
+    def check(self, m):
+        w = weight(m.w)
+        if w is None or w.ndim != 2 or w.dtype not in SIXTEEN_BIT:
+            return "the weight is not a constant 2-D bfloat16/float16 initializer"
+        return None
+
+    def rewrite(self, op, m):
+        w = weight(m.w)
+        name = SIXTEEN_BIT[w.dtype]
+        packed = op.initializer(quant.pack_16bit(w.astype(np.float32), name), f"{m.w.name}.packed")
+        return op.PackedMatMul(m.x, packed, domain=cpu.DOMAIN, n=w.shape[1], weight_format=quant.WEIGHT_FORMATS[name])
+
+
+def _gemm_attributes(node) -> dict:
+    """The weight's description a packed GEMM carries (n, format, block size...), for a fold to keep."""
+    return {a.name: a for a in node.attributes.values()}
+
+
 class SkipRMSNormMatMul(Rule):
     name = "skip_rmsnorm_matmul"
 
@@ -55,7 +131,7 @@ class SkipRMSNormMatMul(Rule):
 
     def rewrite(self, op, m):
         return op.SkipRMSNormMatMul(m.x, m.skip, m.gamma, m.w, domain=cpu.DOMAIN, num_outputs=2,
-                                    n=m.matmul.attributes["n"],
+                                    **_gemm_attributes(m.matmul),
                                     epsilon=m.norm.attributes.get_float("epsilon", 1e-5))
 
 
@@ -66,7 +142,7 @@ class SwiGLUMatMul(Rule):
         return op.PackedMatMul(op.SwiGLU(gate_up, _domain=cpu.DOMAIN), w, _domain=cpu.DOMAIN, _name="matmul")
 
     def rewrite(self, op, m):
-        return op.SwiGLUMatMul(m.gate_up, m.w, domain=cpu.DOMAIN, n=m.matmul.attributes["n"])
+        return op.SwiGLUMatMul(m.gate_up, m.w, domain=cpu.DOMAIN, **_gemm_attributes(m.matmul))
 
 
 class PackedMatMuls(RulePass):
@@ -78,5 +154,11 @@ class PackedMatMuls(RulePass):
     def requires(self, model, spec):
         return kernel_library_missing()
 
+    def apply(self, model, spec):
+        result = super().apply(model, spec)
+        # The integer kernels also quantize the activations (per row and block, int8): lossy where they run.
+        self.lossy = bool(result.counts.get(QuantizedPackedMatMul.name))
+        return result
+
     def rules(self, spec: ModelSpec):
-        return [PackedMatMul(), SkipRMSNormMatMul(), SwiGLUMatMul()]
+        return [PackedMatMul(), QuantizedPackedMatMul(), SixteenBitPackedMatMul(), SkipRMSNormMatMul(), SwiGLUMatMul()]

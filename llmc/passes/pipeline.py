@@ -2,6 +2,7 @@
 
     canonicalize      cleanup, native-gqa
     fuse              merge-matmuls
+    quantize          quantize-weights (with --quant or --weight-dtype: DequantizeLinear/Cast -> MatMul)
     rewrite KV I/O    paged-kv-cache, logits-indices (the LM head on the step's chosen tokens)
     backend kernels   ort-fusions (ORT's), cpu-kernels (llmc's own)
     lower             ort-lower (what no kernel took, in standard ops)
@@ -30,6 +31,7 @@ from llmc.passes.ort_fusions import ORTFusions
 from llmc.passes.ort_lower import LowerPagedAttentionORT
 from llmc.passes.packed_matmul import PackedMatMuls
 from llmc.passes.paged_kv_cache import PagedKVCache
+from llmc.passes.quantize_weights import QuantizeWeights
 from llmc.passes.simplify_layout import SimplifyLayout
 
 
@@ -45,8 +47,9 @@ def phases(options: BuildOptions) -> list[Phase]:
     return [
         Phase("canonicalize", (Cleanup(), NativeGQA())),
         Phase("fuse", (MergeMatMuls(),)),
+        Phase("quantize", (QuantizeWeights(options),) if options.reduces_weights else ()),
         Phase("rewrite KV I/O", (PagedKVCache(block), LogitsIndices())),
-        Phase("backend kernels", (ORTFusions(), CPUKernels(block))),
+        Phase("backend kernels", (ORTFusions(), CPUKernels(block, options.kv_cache_dtype))),
         Phase("lower", (LowerPagedAttentionORT(block),)),
         Phase("layout", (SimplifyLayout(),)),
         Phase("weights", (PackedMatMuls(),) + ((LosslessWeights(),) if options.lossless_weights else ())),
@@ -55,7 +58,7 @@ def phases(options: BuildOptions) -> list[Phase]:
 
 def pipeline(options: BuildOptions) -> list[Pass]:
     """The passes a build with these options runs, in order; refuses a --disable-pass it cannot honour."""
-    every = {p.name: p for phase in phases(BuildOptions(lossless_weights=True)) for p in phase.passes}
+    every = {p.name: p for phase in phases(BuildOptions(lossless_weights=True, quant="int8")) for p in phase.passes}
     for name in options.disable_passes:
         if name not in every:
             raise LlmcError(f"unknown pass {name!r}; passes are: {', '.join(every)}")

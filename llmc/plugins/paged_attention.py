@@ -163,8 +163,13 @@ def build_function():
 
 
 def reference(query, key, value, cache, past_lens, query_lens, block_tables, *, num_heads,
-              num_kv_heads, scale, sliding_window=0, softcap=0.0):
-    """Numpy oracle. Returns (output, updated cache); the input cache is not modified."""
+              num_kv_heads, scale, sliding_window=0, softcap=0.0, kv_dtype="fp32"):
+    """Numpy oracle. Returns (output, updated cache); the input cache is not modified.
+    `cache` is float32 token-major; with a `kv_dtype` other than fp32 each new token's K and V
+    are stored as a pool of that dtype holds them (kv_layout.round_trip: rounded, or quantized
+    per token and head), so the oracle attends over the values the CPU kernel reads back."""
+    from llmc.contract import kv_layout
+
     cache = cache.copy()
     batch, _, seq, head_dim = query.shape
     block_size = cache.shape[2]
@@ -174,8 +179,8 @@ def reference(query, key, value, cache, past_lens, query_lens, block_tables, *, 
         for j in range(seq):
             p = int(past_lens[b]) + j
             blk = int(block_tables[b, p // block_size]) if j < query_lens[b] else SCRATCH_BLOCK
-            cache[0, blk, p % block_size] = key[b, :, j]
-            cache[1, blk, p % block_size] = value[b, :, j]
+            cache[0, blk, p % block_size] = kv_layout.round_trip(key[b, :, j], kv_dtype)
+            cache[1, blk, p % block_size] = kv_layout.round_trip(value[b, :, j], kv_dtype)
         for j in range(int(query_lens[b])):
             p = int(past_lens[b]) + j
             lo = max(0, p - sliding_window + 1) if sliding_window else 0

@@ -15,14 +15,15 @@ from pathlib import Path
 import numpy as np
 
 from llmc.contract import graph_io as io
+from llmc.contract import kv_layout
 from llmc.contract.engine_dir import EngineFiles, open_engine
 from llmc.contract.options import GRAPH_OPTIMIZATION_LEVELS, RuntimeOptions
 from llmc.errors import EngineError, LlmcError, RequestError, first_line
 from llmc.plugins import cpu
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
-_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
-              "tensor(int32)": "int32"}  # ORT's element type names, as numpy's
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8"}  # ORT's element type names, as numpy's
 
 
 def _import_ort():
@@ -78,9 +79,10 @@ class Engine:
         self._pools = []
         self._binding = self.session.io_binding()
         for cache_in, cache_out in self.io.caches():
-            pool = np.empty(shape, np.float32)
-            pool.fill(0.0)  # touch every page now, not on the first write of a request
-            value = ort.OrtValue.ortvalue_from_numpy(pool)
+            pool = np.empty(shape, self.kv.numpy_dtype)
+            pool.fill(0)  # touch every page now, not on the first write of a request
+            # Over the pool's own memory (no copy), typed as the graph wants (bf16 has no numpy type ORT takes).
+            value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(*kv_layout.ort_value_args(pool, self.kv.dtype))
             self._pools.append((pool, value))
             self._binding.bind_ortvalue_input(cache_in, value)
             self._binding.bind_ortvalue_output(cache_out, value)

@@ -8,6 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define LLMC_X86 1
+#endif
+
 /* exp(x) for x <= 88: 2^n * e^y with |y| <= ln2/2 and a degree-7 Taylor polynomial (relative
  * error ~1e-8, under float rounding). Plain arithmetic, so loops calling it vectorize. */
 static inline float exp_f(float x) {
@@ -24,6 +29,166 @@ static inline float exp_f(float x) {
     p = p * y + 1.0f;
     union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
     return p * scale.f;
+}
+
+/* -- 16-bit and int8 pools (kernels.h, kv_type) ------------------------------------------------
+ * The conversions are integer arithmetic, bit for bit numpy's astype(float16) and ml_dtypes'
+ * bfloat16 (round to nearest even), whatever the CPU. */
+static inline uint32_t float_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t half_of(float x) {
+    uint32_t u = float_bits(x), sign = (u >> 16) & 0x8000, a = u & 0x7fffffff;
+    if (a > 0x7f800000)
+        return (uint16_t)(sign | 0x7e00);  /* NaN */
+    if (a >= 0x477ff000)
+        return (uint16_t)(sign | 0x7c00);  /* 65520 and above round to infinity */
+    if (a >= 0x38800000) {                 /* a normal half, 2^-14 and above: rebias, round */
+        uint32_t r = a - 0x38000000;
+        return (uint16_t)(sign | ((r + 0xfff + ((r >> 13) & 1)) >> 13));
+    }
+    if (a <= 0x33000000)  /* 2^-25 and below round to zero (2^-25 itself ties to the even 0) */
+        return (uint16_t)sign;
+    uint32_t shift = 126 - (a >> 23), m = (a & 0x7fffff) | 0x800000;  /* a subnormal half: m >> shift */
+    uint32_t q = m >> shift, rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    q += rest > half || (rest == half && (q & 1));
+    return (uint16_t)(sign | q);
+}
+
+static inline float float_of_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, em = h & 0x7fff;
+    if (em >= 0x7c00)  /* infinity, NaN */
+        return bits_float(sign | 0x7f800000 | (em & 0x3ff) << 13);
+    if (em >= 0x400)
+        return bits_float(sign | ((em << 13) + 0x38000000));
+    float f = (float)em * 0x1p-24f;  /* subnormal (or zero): exact */
+    return sign ? -f : f;
+}
+
+static inline uint16_t bf16_of(float x) {
+    uint32_t u = float_bits(x);
+    if ((u & 0x7fffffff) > 0x7f800000)
+        return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+int64_t llmc_attention_tile_bytes(const llmc_attention *a) {
+    int64_t n = a->block_size * a->head_dim;
+    switch (a->kv_type) {
+    case LLMC_KV_FP16:
+    case LLMC_KV_BF16:
+        return 2 * n;
+    case LLMC_KV_INT8:
+        return n + (int64_t)sizeof(float) * a->block_size;
+    default:
+        return (int64_t)sizeof(float) * n;
+    }
+}
+
+/* Stores a token's d values x into its tile, at element i * stride + offset for value i, as the
+ * pool's type holds them (an int8 tile's scale goes to scales[slot]). */
+static void store_token(int type, const float *restrict x, char *tile, int64_t d, int64_t stride, int64_t offset,
+                        int64_t bs, int64_t slot) {
+    if (type == LLMC_KV_FP16 || type == LLMC_KV_BF16) {
+        uint16_t *t = (uint16_t *)tile + offset;
+        for (int64_t i = 0; i < d; i++)
+            t[i * stride] = type == LLMC_KV_FP16 ? half_of(x[i]) : bf16_of(x[i]);
+        return;
+    }
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; i++)
+        amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float scale = amax / 127.0f;
+    int8_t *t = (int8_t *)tile + offset;
+    for (int64_t i = 0; i < d; i++) {
+        float r = scale > 0.0f ? nearbyintf(x[i] / scale) : 0.0f;  /* round half to even */
+        t[i * stride] = (int8_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+    }
+    memcpy(tile + bs * d + slot * (int64_t)sizeof(float), &scale, sizeof scale);
+}
+
+/* dst[0, n) = a tile's first n elements as floats (int8: the integers; their scales are applied
+ * by the caller). Each 64 bytes read prefetches the same line of the tile `next` (next_bytes
+ * long: the rest of it at the end), as the fp32 path's loads do. */
+static void widen_generic(int type, const void *src, float *restrict dst, int64_t n, const char *next,
+                          int64_t next_bytes) {
+    for (int64_t i = 0; i < next_bytes; i += 64)
+        PREFETCH(next + i);
+    if (type == LLMC_KV_INT8) {
+        const int8_t *q = src;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (float)q[i];
+    } else if (type == LLMC_KV_FP16) {
+        const uint16_t *h = src;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = float_of_half(h[i]);
+    } else {
+        const uint16_t *h = src;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = bits_float((uint32_t)h[i] << 16);
+    }
+}
+
+#ifdef LLMC_X86
+/* The same with AVX2 and F16C: 8 elements a conversion instruction. */
+__attribute__((target("avx2,f16c"))) static void widen_avx2(int type, const void *src, float *restrict dst,
+                                                            int64_t n, const char *next, int64_t next_bytes) {
+    int64_t fetched = 0;
+    if (type == LLMC_KV_INT8) {
+        const int8_t *q = src;
+        int64_t whole = n / 64 * 64;
+        for (int64_t i = 0; i < whole; i += 64, fetched += 64) {
+            PREFETCH(next + fetched);
+            for (int c = 0; c < 64; c += 8)
+                _mm256_storeu_ps(dst + i + c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                  _mm_loadl_epi64((const __m128i *)(q + i + c)))));
+        }
+        for (int64_t i = whole; i < n; i++)
+            dst[i] = (float)q[i];
+    } else {
+        const uint16_t *h = src;
+        int64_t whole = n / 32 * 32;
+        for (int64_t i = 0; i < whole; i += 32, fetched += 64) {
+            PREFETCH(next + fetched);
+            for (int c = 0; c < 32; c += 8) {
+                __m128i x = _mm_loadu_si128((const __m128i *)(h + i + c));
+                _mm256_storeu_ps(dst + i + c, type == LLMC_KV_FP16 ? _mm256_cvtph_ps(x)
+                                                                   : _mm256_castsi256_ps(_mm256_slli_epi32(
+                                                                         _mm256_cvtepu16_epi32(x), 16)));
+            }
+        }
+        for (int64_t i = whole; i < n; i++)
+            dst[i] = type == LLMC_KV_FP16 ? float_of_half(h[i]) : bits_float((uint32_t)h[i] << 16);
+    }
+    for (; fetched < next_bytes; fetched += 64)
+        PREFETCH(next + fetched);
+}
+
+static int widen_fast; /* the CPU has AVX2 and F16C */
+__attribute__((constructor)) static void detect_widen(void) {
+    __builtin_cpu_init();
+    widen_fast = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+#endif
+
+static inline void widen(int type, const void *src, float *restrict dst, int64_t n, const char *next,
+                         int64_t next_bytes) {
+#ifdef LLMC_X86
+    if (widen_fast) {
+        widen_avx2(type, src, dst, n, next, next_bytes);
+        return;
+    }
+#endif
+    widen_generic(type, src, dst, n, next, next_bytes);
 }
 
 const char *llmc_attention_check(const llmc_attention *a) {
@@ -68,8 +233,33 @@ static inline void rotate(const llmc_attention *a, const float *x, float *dst, i
     }
 }
 
+/* llmc_attention_write for a 16-bit or int8 pool. */
+LLMC_CLONES
+static void write_converted(const llmc_attention *a) {
+    int64_t d = a->head_dim, hkv = a->num_kv_heads, bs = a->block_size;
+    int64_t tile_bytes = llmc_attention_tile_bytes(a), plane = a->num_blocks * hkv * tile_bytes;
+    float key[LLMC_MAX_HEAD_DIM];
+    for (int64_t b = 0; b < a->batch; b++) {
+        for (int64_t j = 0; j < a->query_lens[b]; j++) {
+            int64_t p = a->past_lens[b] + j, tok = b * a->seq + j, slot = p % bs;
+            int64_t blk = a->block_tables[b * a->max_blocks + p / bs];
+            const float *k = a->k + tok * a->kv_stride, *v = a->v + tok * a->kv_stride;
+            for (int64_t h = 0; h < hkv; h++) {
+                char *tile = (char *)a->cache + (blk * hkv + h) * tile_bytes;
+                rotate(a, k + h * d, key, b, j);
+                store_token(a->kv_type, key, tile, d, bs, slot, bs, slot);           /* keys: [d, bs] */
+                store_token(a->kv_type, v + h * d, tile + plane, d, 1, slot * d, bs, slot); /* values: [bs, d] */
+            }
+        }
+    }
+}
+
 LLMC_CLONES
 void llmc_attention_write(const llmc_attention *a) {
+    if (a->kv_type != LLMC_KV_FP32) {
+        write_converted(a);
+        return;
+    }
     int64_t d = a->head_dim, hkv = a->num_kv_heads, bs = a->block_size;
     int64_t plane = a->num_blocks * hkv * bs * d;
     float key[LLMC_MAX_HEAD_DIM];
@@ -79,7 +269,7 @@ void llmc_attention_write(const llmc_attention *a) {
             int64_t blk = a->block_tables[b * a->max_blocks + p / bs];
             const float *k = a->k + tok * a->kv_stride, *v = a->v + tok * a->kv_stride;
             for (int64_t h = 0; h < hkv; h++) {
-                float *tile = a->cache + (blk * hkv + h) * bs * d;
+                float *tile = (float *)a->cache + (blk * hkv + h) * bs * d;
                 rotate(a, k + h * d, key, b, j);
                 for (int64_t i = 0; i < d; i++)  /* keys are stored transposed: [d, bs] */
                     tile[i * bs + slot] = key[i];
@@ -162,6 +352,75 @@ static inline __attribute__((always_inline)) void weigh_values(float *restrict a
             VSTORE(acc + r * d + v * 16, a[r][v]);
 }
 
+/* -- AVX2 without AVX-512: 16 ymm registers ---------------------------------------------------
+ * scores16 and weigh_values hold their accumulators in v16 (one zmm each); built for AVX2 (the
+ * x86-64-v3 clone) GCC lowers each v16 through the stack, a store and reload per FMA. These two
+ * are the same loops over 8-float vectors with at most 12 accumulators, so they stay in the 16 ymm
+ * registers (docs/attention_cpu.md). Plain vector-extension code, no target attribute: attend()
+ * uses them only inside task_avx2, which is built for AVX2 + FMA. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+#define V8LOAD(p) (*(const v8u *)(p))
+#define V8STORE(p, v) (*(v8u *)(p) = (v))
+
+/* scores16 with R <= 6 rows and 2 * R * P <= 12 ymm accumulators (a 16-key row is two vectors). */
+static inline __attribute__((always_inline)) void scores16_avx2(const float *restrict q, const float *restrict kt,
+                                                                float *restrict s, const int64_t d, const int R,
+                                                                const int P, const float *next) {
+    v8 acc[6][4][2]; /* fixed sizes: GCC keeps variable-length arrays in memory */
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < P; c++)
+            acc[r][c][0] = acc[r][c][1] = (v8){0};
+    for (int64_t i = 0; i < d; i += P)
+        for (int c = 0; c < P; c++) {
+            v8 k0 = V8LOAD(kt + (i + c) * 16), k1 = V8LOAD(kt + (i + c) * 16 + 8);
+            PREFETCH(next + (i + c) * 16);
+            for (int r = 0; r < R; r++) {
+                float qv = q[r * d + i + c];
+                acc[r][c][0] += qv * k0;
+                acc[r][c][1] += qv * k1;
+            }
+        }
+    for (int r = 0; r < R; r++) {
+        v8 s0 = acc[r][0][0], s1 = acc[r][0][1];
+        for (int c = 1; c < P; c++)
+            s0 += acc[r][c][0], s1 += acc[r][c][1];
+        V8STORE(s + r * 16, s0);
+        V8STORE(s + r * 16 + 8, s1);
+    }
+}
+
+/* weigh_values with R <= 3 rows, C vectors of columns at a time (R * C <= 12 accumulators): the value
+ * tile is read d / (8 C) times from L1, each pass prefetching its columns' lines of `next`. Each
+ * output is one FMA per key in key order, as in weigh_values. */
+static inline __attribute__((always_inline)) void weigh_values_avx2(float *restrict acc, const float *restrict w,
+                                                                    int64_t w_stride, const float *restrict vb,
+                                                                    int64_t row, int64_t n, const int64_t d,
+                                                                    const int R, const int C, const float *next) {
+    for (int64_t col = 0; col < d; col += 8 * C) {
+        v8 a[3][8];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < C; v++)
+                a[r][v] = V8LOAD(acc + r * d + col + v * 8);
+        for (int64_t kk = 0; kk < n; kk++) {
+            const float *val = vb + kk * row + col;
+            for (int v = 0; v < C; v += 2)
+                PREFETCH(next + kk * row + col + v * 8);
+            float wr[3]; /* broadcast once each: R weights + one value vector + R * C accumulators <= 16 */
+            for (int r = 0; r < R; r++)
+                wr[r] = w[r * w_stride + kk];
+            for (int v = 0; v < C; v++) {
+                v8 x = V8LOAD(val + v * 8);
+                for (int r = 0; r < R; r++)
+                    a[r][v] += wr[r] * x;
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < C; v++)
+                V8STORE(acc + r * d + col + v * 8, a[r][v]);
+    }
+}
+
 /* A (block, KV head)'s key tile and value tile, one plane apart, fetched ahead of use: a row's
  * blocks lie anywhere in the pool, so no hardware prefetcher can guess the next one. */
 static inline void prefetch_tiles(const float *key_tile, int64_t plane, int64_t floats) {
@@ -228,9 +487,109 @@ static inline __attribute__((always_inline)) void weigh_rows(float *restrict acc
     }
 }
 
-/* The body, inlined per (head_dim, block_size) so loops over them have constant trip counts. */
+/* score_rows and weigh_rows for task_avx2: the same fast-path conditions, so the same shapes
+ * prefetch the next block (attend's `spread`); other shapes take the generic loops. */
+static inline __attribute__((always_inline)) void score_rows_avx2(const float *restrict q, const float *restrict kt,
+                                                                  float *restrict s, int64_t rows, const int64_t d,
+                                                                  const int64_t bs, const float *next) {
+    if (!(bs == 16 && d % 4 == 0)) {
+        score_rows(q, kt, s, rows, d, bs, next);
+        return;
+    }
+    int64_t r = 0;
+    for (; r + 6 <= rows; r += 6)
+        scores16_avx2(q + r * d, kt, s + r * bs, d, 6, 1, next);
+    if (rows - r >= 3)  /* a decode task's GQA group of 3 heads */
+        scores16_avx2(q + r * d, kt, s + r * bs, d, 3, 2, next), r += 3;
+    if (rows - r == 2)
+        scores16_avx2(q + r * d, kt, s + r * bs, d, 2, 2, next);
+    else if (rows - r == 1)
+        scores16_avx2(q + r * d, kt, s + r * bs, d, 1, 4, next);
+}
+
+static inline __attribute__((always_inline)) void weigh_rows_avx2(float *restrict acc, const float *restrict w,
+                                                                  const float *restrict vb, int64_t rows, int64_t n,
+                                                                  const int64_t d, const int64_t bs,
+                                                                  const float *next) {
+    if (!(d % 16 == 0 && d <= 128)) {
+        weigh_rows(acc, w, vb, rows, n, d, bs, next);
+        return;
+    }
+    int64_t r = 0;
+    if (d % 32 == 0) {  /* 3 rows x 32 columns a pass */
+        for (; r + 3 <= rows; r += 3)
+            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 3, 4, next);
+        if (rows - r == 2)
+            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 2, 4, next);
+        else if (rows - r == 1 && d % 64 == 0)
+            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 1, 8, next);
+        else if (rows - r == 1)
+            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 1, 4, next);
+    } else {            /* 3 rows x 16 columns */
+        for (; r + 3 <= rows; r += 3)
+            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 3, 2, next);
+        if (rows - r == 2)
+            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 2, 2, next);
+        else if (rows - r == 1)
+            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 1, 2, next);
+    }
+}
+
+/* The online softmax over one block for every row: s[r, :n] (the block's scores) become the
+ * row's weights, and its running max m, sum l and accumulator acc are rescaled to match. */
+static inline __attribute__((always_inline)) void softmax_block(const llmc_attention *a, float *restrict s,
+                                                                float *restrict m, float *restrict l,
+                                                                float *restrict acc, int64_t rows, int64_t nq,
+                                                                int64_t first_pos, int64_t t0, int64_t n,
+                                                                const int64_t d, const int64_t bs) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t p = first_pos + r % nq, t = p - t0;  /* the row's own position in the block */
+        int64_t lo = a->sliding_window > 0 ? p - a->sliding_window + 1 - t0 : 0;
+        int64_t k0 = lo > 0 ? lo : 0, k1 = t + 1 < n ? t + 1 : n;
+        float *restrict sr = s + r * bs;
+        if (k1 <= k0) {
+            for (int64_t kk = 0; kk < n; kk++)
+                sr[kk] = 0.0f;
+            continue;
+        }
+        float best = m[r];
+        for (int64_t kk = k0; kk < k1; kk++) {
+            if (a->softcap > 0.0f)
+                sr[kk] = a->softcap * tanhf(sr[kk] / a->softcap);
+            best = sr[kk] > best ? sr[kk] : best;
+        }
+        float correction = exp_f(m[r] - best), sum = 0.0f;
+        m[r] = best;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t kk = 0; kk < n; kk++) {
+            float w = (kk >= k0 && kk < k1) ? exp_f(sr[kk] - best) : 0.0f;
+            sr[kk] = w;
+            sum += w;
+        }
+        l[r] = l[r] * correction + sum;
+        float *restrict ar = acc + r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++)
+            ar[i] *= correction;
+    }
+}
+
+/* s[r, kk] *= scale[kk] for rows [0, rows): an int8 tile's per-token scales (unaligned in the
+ * pool for some shapes, so copied first) applied to its key scores or folded into the weights
+ * of its values. */
+static inline __attribute__((always_inline)) void scale_columns(float *restrict s, int64_t rows, const int64_t bs,
+                                                                const char *scales, float *restrict buf) {
+    memcpy(buf, scales, (size_t)bs * sizeof(float));
+    for (int64_t r = 0; r < rows; r++)
+#pragma omp simd
+        for (int64_t kk = 0; kk < bs; kk++)
+            s[r * bs + kk] *= buf[kk];
+}
+
+/* The body, inlined per (head_dim, block_size) so loops over them have constant trip counts;
+ * `converted`: the pool is 16-bit or int8 (a->kv_type), each tile read is widened first. */
 static inline __attribute__((always_inline)) void attend(const llmc_attention *a, int64_t task, const int64_t d,
-                                                         const int64_t bs) {
+                                                         const int64_t bs, const int converted, const int avx2) {
     int64_t hkv = a->num_kv_heads, nh = heads_per_task(a);
     int64_t tiles = (a->seq + a->rows_per_task - 1) / a->rows_per_task;
     int64_t per_row = (a->num_heads / nh) * tiles;
@@ -248,8 +607,12 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
     int64_t kv_rows = rows / kv_count;  /* rows [g * kv_rows, (g + 1) * kv_rows) read KV head kvh + g */
     if (nq <= 0)
         return;
+#define SCORE_ROWS(...) (avx2 ? score_rows_avx2(__VA_ARGS__) : score_rows(__VA_ARGS__))
+#define WEIGH_ROWS(...) (avx2 ? weigh_rows_avx2(__VA_ARGS__) : weigh_rows(__VA_ARGS__))
 
-    float *scratch = malloc((size_t)(rows * (2 * d + 2 + bs)) * sizeof(float));
+    /* A converted pool's tasks also need a float tile (64-byte aligned) and a tile's scales. */
+    int64_t extra = converted ? bs * d + bs + 16 : 0;
+    float *scratch = malloc((size_t)(rows * (2 * d + 2 + bs) + extra) * sizeof(float));
     if (scratch == NULL) {  /* reported by the caller once every task has run */
         *a->out_of_memory = 1;
         return;
@@ -270,60 +633,68 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
     int64_t first = 0, last = past + valid_end - 1;
     if (a->sliding_window > 0 && past + j0 - a->sliding_window + 1 > 0)
         first = past + j0 - a->sliding_window + 1;
-    int64_t plane = a->num_blocks * hkv * bs * d;
     const int32_t *table = a->block_tables + b * a->max_blocks;
 
-    /* The next block's tiles stream in while this one is used. The fast paths fetch them a line
-     * per line they read, spread over the block's arithmetic: fetching whole tiles at once fills
-     * the core's miss buffers and stalls that arithmetic until they land (docs/attention_cpu.md).
-     * Other shapes fetch at once. */
-    int spread = bs == 16 && d % 16 == 0 && d <= 128;
-    int64_t tile_floats = bs * d, run = kv_count * tile_floats;  /* the task's tiles of a block */
-#define TILE(t) (a->cache + ((int64_t)table[(t) / bs] * hkv + kvh) * tile_floats)
-    prefetch_tiles(TILE(first), plane, run);
-    for (int64_t t0 = first - first % bs; t0 <= last; t0 += bs) {
-        const float *kt = TILE(t0), *next = t0 + bs <= last ? TILE(t0 + bs) : kt;
-        if (!spread && next != kt)
-            prefetch_tiles(next, plane, run);
-        int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;  /* keys any row of the tile sees */
-        for (int64_t g = 0; g < kv_count; g++)
-            score_rows(q + g * kv_rows * d, kt + g * tile_floats, s + g * kv_rows * bs, kv_rows, d, bs,
-                       next + g * tile_floats);
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t p = past + j0 + r % nq, t = p - t0;  /* the row's own position in the block */
-            int64_t lo = a->sliding_window > 0 ? p - a->sliding_window + 1 - t0 : 0;
-            int64_t k0 = lo > 0 ? lo : 0, k1 = t + 1 < n ? t + 1 : n;
-            float *restrict sr = s + r * bs;
-            if (k1 <= k0) {
-                for (int64_t kk = 0; kk < n; kk++)
-                    sr[kk] = 0.0f;
-                continue;
-            }
-            float best = m[r];
-            for (int64_t kk = k0; kk < k1; kk++) {
-                if (a->softcap > 0.0f)
-                    sr[kk] = a->softcap * tanhf(sr[kk] / a->softcap);
-                best = sr[kk] > best ? sr[kk] : best;
-            }
-            float correction = exp_f(m[r] - best), sum = 0.0f;
-            m[r] = best;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t kk = 0; kk < n; kk++) {
-                float w = (kk >= k0 && kk < k1) ? exp_f(sr[kk] - best) : 0.0f;
-                sr[kk] = w;
-                sum += w;
-            }
-            l[r] = l[r] * correction + sum;
-            float *restrict ar = acc + r * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++)
-                ar[i] *= correction;
+    if (!converted) {
+        int64_t plane = a->num_blocks * hkv * bs * d;
+        /* The next block's tiles stream in while this one is used. The fast paths fetch them a
+         * line per line they read, spread over the block's arithmetic: fetching whole tiles at
+         * once fills the core's miss buffers and stalls that arithmetic until they land
+         * (docs/attention_cpu.md). Other shapes fetch at once. */
+        int spread = bs == 16 && d % 16 == 0 && d <= 128;
+        int64_t tile_floats = bs * d, run = kv_count * tile_floats;  /* the task's tiles of a block */
+#define TILE(t) ((const float *)a->cache + ((int64_t)table[(t) / bs] * hkv + kvh) * tile_floats)
+        prefetch_tiles(TILE(first), plane, run);
+        for (int64_t t0 = first - first % bs; t0 <= last; t0 += bs) {
+            const float *kt = TILE(t0), *next = t0 + bs <= last ? TILE(t0 + bs) : kt;
+            if (!spread && next != kt)
+                prefetch_tiles(next, plane, run);
+            int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;  /* keys any row of the tile sees */
+            for (int64_t g = 0; g < kv_count; g++)
+                SCORE_ROWS(q + g * kv_rows * d, kt + g * tile_floats, s + g * kv_rows * bs, kv_rows, d, bs,
+                           next + g * tile_floats);
+            softmax_block(a, s, m, l, acc, rows, nq, past + j0, t0, n, d, bs);
+            for (int64_t g = 0; g < kv_count; g++)
+                WEIGH_ROWS(acc + g * kv_rows * d, s + g * kv_rows * bs, kt + plane + g * tile_floats, kv_rows, n,
+                           d, bs, next + plane + g * tile_floats);
         }
-        for (int64_t g = 0; g < kv_count; g++)
-            weigh_rows(acc + g * kv_rows * d, s + g * kv_rows * bs, kt + plane + g * tile_floats, kv_rows, n, d,
-                       bs, next + plane + g * tile_floats);
-    }
 #undef TILE
+    } else {
+        /* Each tile is widened into `wide` just before use (an L1-resident copy), its next block's
+         * counterpart prefetched a line per line widened. */
+        float *restrict wide = (float *)(((uintptr_t)(s + rows * bs) + 63) & ~(uintptr_t)63);
+        float *restrict scales = wide + bs * d;
+        int type = a->kv_type, int8 = type == LLMC_KV_INT8;
+        int64_t tile_bytes = llmc_attention_tile_bytes(a), plane = a->num_blocks * hkv * tile_bytes;
+        int64_t values = bs * d;  /* a tile's elements; int8 scales follow them */
+#define TILE(t) ((const char *)a->cache + ((int64_t)table[(t) / bs] * hkv + kvh) * tile_bytes)
+        for (int64_t i = 0; i < kv_count * tile_bytes; i += 64) {
+            PREFETCH(TILE(first) + i);
+            PREFETCH(TILE(first) + plane + i);
+        }
+        for (int64_t t0 = first - first % bs; t0 <= last; t0 += bs) {
+            const char *kt = TILE(t0), *next = t0 + bs <= last ? TILE(t0 + bs) : kt;
+            int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;
+            for (int64_t g = 0; g < kv_count; g++) {
+                const char *keys = kt + g * tile_bytes;
+                widen(type, keys, wide, values, next + g * tile_bytes, tile_bytes);
+                SCORE_ROWS(q + g * kv_rows * d, wide, s + g * kv_rows * bs, kv_rows, d, bs, wide);
+                if (int8)  /* q . k = (q . k_int) * k_scale, per key column */
+                    scale_columns(s + g * kv_rows * bs, kv_rows, bs, keys + values, scales);
+            }
+            softmax_block(a, s, m, l, acc, rows, nq, past + j0, t0, n, d, bs);
+            for (int64_t g = 0; g < kv_count; g++) {
+                const char *vals = kt + plane + g * tile_bytes;
+                widen(type, vals, wide, n * d, next + plane + g * tile_bytes, tile_bytes);
+                if (int8)  /* w . v = (w * v_scale) . v_int, per token */
+                    scale_columns(s + g * kv_rows * bs, kv_rows, bs, vals + values, scales);
+                WEIGH_ROWS(acc + g * kv_rows * d, s + g * kv_rows * bs, wide, kv_rows, n, d, bs, wide);
+            }
+        }
+#undef TILE
+    }
+#undef SCORE_ROWS
+#undef WEIGH_ROWS
     for (int64_t r = 0; r < rows; r++) {
         float *dst = a->out + (b * a->seq + j0 + r % nq) * out_stride + (h0 + r / nq) * d;
         float inv = 1.0f / l[r];
@@ -333,15 +704,65 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
     free(scratch);
 }
 
+/* llmc_attention_task for a 16-bit or int8 pool. */
 LLMC_CLONES
-void llmc_attention_task(const llmc_attention *a, int64_t task) {
+static void task_converted(const llmc_attention *a, int64_t task) {
+    if (a->block_size == 16 && a->head_dim == 64)
+        attend(a, task, 64, 16, 1, 0);
+    else if (a->block_size == 16 && a->head_dim == 128)
+        attend(a, task, 128, 16, 1, 0);
+    else
+        attend(a, task, a->head_dim, a->block_size, 1, 0);
+}
+
+LLMC_CLONES
+static void task_vec(const llmc_attention *a, int64_t task) {
+    if (a->kv_type != LLMC_KV_FP32) {
+        task_converted(a, task);
+        return;
+    }
     /* The common shapes get loops the compiler fully unrolls and keeps in registers. */
     if (a->block_size == 16 && a->head_dim == 64)
-        attend(a, task, 64, 16);
+        attend(a, task, 64, 16, 0, 0);
     else if (a->block_size == 16 && a->head_dim == 128)
-        attend(a, task, 128, 16);
+        attend(a, task, 128, 16, 0, 0);
     else
-        attend(a, task, a->head_dim, a->block_size);
+        attend(a, task, a->head_dim, a->block_size, 0, 0);
+}
+
+#ifdef LLMC_X86
+/* The AVX2 loops, where the CPU has no AVX-512 (whose clone of task_vec keeps its v16 loops). */
+static int attention_avx2(void) { return llmc_avx2() && !__builtin_cpu_supports("avx512f"); }
+
+/* task_vec with scores16_avx2 and weigh_values_avx2, for every pool type and shape. */
+__attribute__((target("avx2,fma,f16c"))) static void task_avx2(const llmc_attention *a, int64_t task) {
+    int converted = a->kv_type != LLMC_KV_FP32;
+    if (a->block_size == 16 && a->head_dim == 64) {
+        if (converted)
+            attend(a, task, 64, 16, 1, 1);
+        else
+            attend(a, task, 64, 16, 0, 1);
+    } else if (a->block_size == 16 && a->head_dim == 128) {
+        if (converted)
+            attend(a, task, 128, 16, 1, 1);
+        else
+            attend(a, task, 128, 16, 0, 1);
+    } else if (converted) {
+        attend(a, task, a->head_dim, a->block_size, 1, 1);
+    } else {
+        attend(a, task, a->head_dim, a->block_size, 0, 1);
+    }
+}
+#endif
+
+void llmc_attention_task(const llmc_attention *a, int64_t task) {
+#ifdef LLMC_X86
+    if (attention_avx2()) {
+        task_avx2(a, task);
+        return;
+    }
+#endif
+    task_vec(a, task);
 }
 
 LLMC_CLONES

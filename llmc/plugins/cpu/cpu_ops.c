@@ -118,16 +118,33 @@ static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
     int packed = t[IN_K].value == NULL;
     if (q->rank != 3 || q->type != ORT_FLOAT)
         return error(op, "query must be float32 [batch, seq, heads * head_dim]");
-    if (cache->rank != 5 || cache->type != ORT_FLOAT || cache->dims[0] != 2)
-        return error(op, "kv_cache must be float32 [2, num_blocks, kv_heads, block_size, head_dim]");
     llmc_attention a = {0};
+    /* The pool's element type is the engine's --kv-cache-dtype (kernels.h: the layouts). */
+    a.kv_type = cache->type == ORT_FLOAT ? LLMC_KV_FP32 : cache->type == ORT_FLOAT16 ? LLMC_KV_FP16
+              : cache->type == ORT_BFLOAT16 ? LLMC_KV_BF16 : cache->type == ORT_INT8 ? LLMC_KV_INT8 : -1;
+    if (a.kv_type < 0)
+        return error(op, "kv_cache must be float32, float16, bfloat16 or int8 (the engine's kv-cache dtype)");
+    if (a.kv_type != LLMC_KV_INT8 && (cache->rank != 5 || cache->dims[0] != 2))
+        return error(op, "kv_cache must be [2, num_blocks, kv_heads, block_size, head_dim]");
+    if (a.kv_type == LLMC_KV_INT8 && (cache->rank != 4 || cache->dims[0] != 2))
+        return error(op, "an int8 kv_cache must be [2, num_blocks, kv_heads, block_size * (head_dim + 4)]");
     a.batch = q->dims[0];
     a.seq = q->dims[1];
     a.num_heads = kernel->num_heads;
     a.num_kv_heads = kernel->num_kv_heads;
     a.num_blocks = cache->dims[1];
-    a.block_size = cache->dims[3];
-    a.head_dim = cache->dims[4];
+    if (a.kv_type == LLMC_KV_INT8) {  /* the tiles do not say their head_dim: the query does */
+        int64_t per_token = packed ? a.num_heads + 2 * a.num_kv_heads : a.num_heads;
+        if (q->dims[2] % per_token != 0)
+            return error(op, "query's last dim does not match the heads and head_dim");
+        a.head_dim = q->dims[2] / per_token;
+        a.block_size = a.head_dim > 0 ? cache->dims[3] / (a.head_dim + 4) : 0;
+        if (a.block_size * (a.head_dim + 4) != cache->dims[3])
+            return error(op, "an int8 kv_cache's last dim must be block_size * (head_dim + 4)");
+    } else {
+        a.block_size = cache->dims[3];
+        a.head_dim = cache->dims[4];
+    }
     if (a.num_blocks < 1 || a.block_size < 1 || a.head_dim < 1)
         return error(op, "kv_cache has an empty dimension");
     if (cache->dims[2] != a.num_kv_heads || a.num_heads % a.num_kv_heads != 0)
@@ -165,7 +182,8 @@ static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
     a.softcap = kernel->softcap;
     a.sliding_window = kernel->sliding_window;
 
-    float *q_data, *cache_in;
+    float *q_data;
+    void *cache_in;
     TRY(data(q->value, (void **)&q_data));
     a.q = q_data;
     if (packed) {
@@ -187,10 +205,10 @@ static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
 
     int64_t out_dims[3] = {a.batch, a.seq, hq};
     TRY(output(ctx, 0, out_dims, 3, (void **)&a.out));
-    TRY(data(cache->value, (void **)&cache_in));
-    TRY(output(ctx, 1, cache->dims, 5, (void **)&a.cache));
+    TRY(data(cache->value, &cache_in));
+    TRY(output(ctx, 1, cache->dims, cache->rank, &a.cache));
     if (a.cache != cache_in)  /* not aliased (e.g. a plain session.run): carry the pool over */
-        memcpy(a.cache, cache_in, (size_t)(2 * a.num_blocks * a.block_size * hkv) * sizeof(float));
+        memcpy(a.cache, cache_in, (size_t)(2 * a.num_blocks * a.num_kv_heads * llmc_attention_tile_bytes(&a)));
 
     llmc_attention_write(&a);
     /* Decode rows attend one query each; prefill chunks take query rows in tiles that share
@@ -243,29 +261,67 @@ static OrtStatus *swiglu_compute(void *state, OrtKernelContext *ctx) {
 
 typedef struct {
     int64_t n;
+    int64_t format, block_size, zero_points; /* the weight's format (LLMC_FORMAT_*, kernels.h) */
     float epsilon; /* SkipRMSNormMatMul's */
 } linear_kernel;
 
 typedef struct {
     const float *x, *w;
     const uint8_t *lossless; /* the weight's lossless copy, when the op has one and m is small */
+    const void *packed;      /* a 16-bit or quantized weight (format != 0) */
+    llmc_qact act;           /* quantized formats: the rows, quantized once per call */
+    int format, zero_points;
     float *y;
     int64_t m, k, n;
 } linear_job;
 
-/* x [.., K] against a weight packed for n output columns: [ceil(n / 32), K, 32]. */
-static OrtStatus *check_packed(const char *op, const linear_kernel *kernel, const tensor *x, const tensor *w) {
-    if (w->type != ORT_FLOAT || w->rank != 3 || w->dims[2] != LLMC_PANEL || w->dims[0] * LLMC_PANEL < kernel->n ||
-        (w->dims[0] - 1) * LLMC_PANEL >= kernel->n)
-        return error(op, "weight must be float32 [ceil(n / 32), K, 32] (packed by llmc build)");
-    if (x->type != ORT_FLOAT || x->rank < 1 || x->dims[x->rank - 1] != w->dims[1])
+static int64_t panels_of(int64_t n) { return (n + LLMC_PANEL - 1) / LLMC_PANEL; }
+
+/* x [.., K] against a weight packed for n output columns in the kernel's format: [ceil(n / 32), K,
+ * 32] float32 or uint16 panels, or a quantized uint8 blob of llmc_quant_bytes. Sets *k. */
+static OrtStatus *check_packed(const char *op, const linear_kernel *kernel, const tensor *x, const tensor *w,
+                               int64_t *k) {
+    if (x->type != ORT_FLOAT || x->rank < 1)
+        return error(op, "input must be float32");
+    int64_t format = kernel->format;
+    if (format == LLMC_FORMAT_INT8 || format == LLMC_FORMAT_INT4) {
+        int bits = format == LLMC_FORMAT_INT8 ? 8 : 4;
+        *k = x->dims[x->rank - 1];
+        if (*k % kernel->block_size != 0)
+            return error(op, "input's last dim (K) is not a multiple of the weight's block_size");
+        int64_t bytes = llmc_quant_bytes(*k, kernel->n, bits, kernel->block_size, (int)kernel->zero_points);
+        if (w->type != ORT_UINT8 || w->rank != 1 || w->dims[0] != bytes) {
+            char message[200];
+            snprintf(message, sizeof message,
+                     "int%d weight must be a 1-D uint8 blob of %lld bytes for K = %lld (the input's last dim), "
+                     "n = %lld, block_size %lld, zero_points %lld (packed by llmc build)",
+                     bits, (long long)bytes, (long long)*k, (long long)kernel->n, (long long)kernel->block_size,
+                     (long long)kernel->zero_points);
+            return error(op, message);
+        }
+        return NULL;
+    }
+    int sixteen = format == LLMC_FORMAT_BF16 || format == LLMC_FORMAT_FP16;
+    int32_t half_type = format == LLMC_FORMAT_BF16 ? ORT_BFLOAT16 : ORT_FLOAT16;
+    int type_ok = sixteen ? (w->type == ORT_UINT16 || w->type == half_type) : w->type == ORT_FLOAT;
+    if (!type_ok || w->rank != 3 || w->dims[2] != LLMC_PANEL || w->dims[0] != panels_of(kernel->n))
+        return error(op, sixteen ? "16-bit weight must be uint16 [ceil(n / 32), K, 32] (packed by llmc build)"
+                                 : "weight must be float32 [ceil(n / 32), K, 32] (packed by llmc build)");
+    if (x->dims[x->rank - 1] != w->dims[1])
         return error(op, "input's last dim does not match the weight's K");
+    *k = w->dims[1];
     return NULL;
 }
 
 static void linear_one(void *arg, size_t panel) {
     const linear_job *job = arg;
-    if (job->lossless != NULL)
+    if (job->format == LLMC_FORMAT_INT8 || job->format == LLMC_FORMAT_INT4)
+        llmc_linear_quant(&job->act, job->packed, job->y, job->n, job->format == LLMC_FORMAT_INT8 ? 8 : 4,
+                          job->zero_points, (int64_t)panel, (int64_t)panel + 1);
+    else if (job->format != LLMC_FORMAT_FP32)
+        llmc_linear_16bit(job->x, job->packed, job->y, job->m, job->k, job->n, job->format == LLMC_FORMAT_BF16,
+                          (int64_t)panel, (int64_t)panel + 1);
+    else if (job->lossless != NULL)
         llmc_linear_lossless(job->x, job->lossless, job->y, job->m, job->k, job->n, (int64_t)panel,
                              (int64_t)panel + 1);
     else
@@ -280,6 +336,8 @@ static OrtStatus *lossless_input(OrtKernelContext *ctx, const char *op, size_t i
     TRY(input(ctx, index, &t));
     if (t.value == NULL)
         return NULL;
+    if (job->format != LLMC_FORMAT_FP32)
+        return error(op, "a lossless weight copy applies only to weight_format 0 (float32)");
     const uint8_t *blob;
     TRY(data(t.value, (void **)&blob));
     int64_t head = llmc_lossless_bytes(job->k, job->n, 0);
@@ -294,22 +352,63 @@ static OrtStatus *lossless_input(OrtKernelContext *ctx, const char *op, size_t i
     return NULL;
 }
 
+typedef struct {
+    const linear_job *job;
+    int64_t rows_per_task;
+} quantize_job;
+
+static void quantize_one(void *arg, size_t task) {
+    const quantize_job *q = arg;
+    int64_t row0 = (int64_t)task * q->rows_per_task, row1 = row0 + q->rows_per_task;
+    llmc_quantize_rows(&q->job->act, q->job->x, row0, row1 < q->job->m ? row1 : q->job->m);
+}
+
+/* The product over the job's panels, in parallel: quantized formats first quantize the rows once
+ * (in parallel too when there are many) into a scratch every panel task reads. */
+static OrtStatus *run_linear(OrtKernelContext *ctx, const char *op, const linear_kernel *kernel, linear_job *job) {
+    if (job->m == 0)
+        return NULL;
+    if (job->format != LLMC_FORMAT_INT8 && job->format != LLMC_FORMAT_INT4)
+        return parallel(ctx, linear_one, (size_t)panels_of(job->n), job);
+    void *scratch = malloc((size_t)llmc_qact_bytes(job->m, job->k, kernel->block_size));
+    if (scratch == NULL)
+        return error(op, "out of memory for the quantized rows");
+    llmc_qact_init(&job->act, scratch, job->m, job->k, kernel->block_size);
+    quantize_job q = {.job = job, .rows_per_task = 8};
+    OrtStatus *status = NULL;
+    if (job->m < 16)
+        llmc_quantize_rows(&job->act, job->x, 0, job->m);
+    else
+        status = parallel(ctx, quantize_one, (size_t)((job->m + q.rows_per_task - 1) / q.rows_per_task), &q);
+    if (status == NULL)
+        status = parallel(ctx, linear_one, (size_t)panels_of(job->n), job);
+    free(scratch);
+    return status;
+}
+
+/* The job's weight: the fp32 panels, or (format != 0) the 16-bit panels or quantized blob. */
+static OrtStatus *weight_data(const linear_kernel *kernel, const tensor *w, linear_job *job) {
+    job->format = (int)kernel->format;
+    job->zero_points = (int)kernel->zero_points;
+    if (kernel->format == LLMC_FORMAT_FP32)
+        return data(w->value, (void **)&job->w);
+    return data(w->value, (void **)&job->packed);
+}
+
 static OrtStatus *linear_compute(void *state, OrtKernelContext *ctx) {
     const linear_kernel *kernel = state;
     const char *op = "PackedMatMul";
     tensor x, w;
     TRY(input(ctx, 0, &x));
     TRY(input(ctx, 1, &w));
-    TRY(check_packed(op, kernel, &x, &w));
-    int64_t dims[8];
-    linear_job job = {.k = w.dims[1], .n = kernel->n, .m = rows_with_last(&x, kernel->n, dims)};
+    int64_t dims[8], k;
+    TRY(check_packed(op, kernel, &x, &w, &k));
+    linear_job job = {.k = k, .n = kernel->n, .m = rows_with_last(&x, kernel->n, dims)};
     TRY(data(x.value, (void **)&job.x));
-    TRY(data(w.value, (void **)&job.w));
+    TRY(weight_data(kernel, &w, &job));
     TRY(output(ctx, 0, dims, x.rank, (void **)&job.y));
     TRY(lossless_input(ctx, op, 2, &job));
-    if (job.m == 0)
-        return NULL;
-    return parallel(ctx, linear_one, (size_t)w.dims[0], &job);
+    return run_linear(ctx, op, kernel, &job);
 }
 
 /* -- SkipRMSNormMatMul: a residual add and RMSNorm, then PackedMatMul on the normed rows --------- */
@@ -322,18 +421,18 @@ static OrtStatus *norm_linear_compute(void *state, OrtKernelContext *ctx) {
     TRY(input(ctx, 1, &skip));
     TRY(input(ctx, 2, &gamma));
     TRY(input(ctx, 3, &w));
-    TRY(check_packed(op, kernel, &x, &w));
+    int64_t dims[8], k;
+    TRY(check_packed(op, kernel, &x, &w, &k));
     if (skip.type != ORT_FLOAT || skip.rank != x.rank || memcmp(skip.dims, x.dims, sizeof x.dims) != 0 ||
-        gamma.type != ORT_FLOAT || gamma.rank != 1 || gamma.dims[0] != w.dims[1])
+        gamma.type != ORT_FLOAT || gamma.rank != 1 || gamma.dims[0] != k)
         return error(op, "skip must match the input's shape and gamma be [K]");
-    int64_t dims[8];
-    linear_job job = {.k = w.dims[1], .n = kernel->n, .m = rows_with_last(&x, kernel->n, dims)};
+    linear_job job = {.k = k, .n = kernel->n, .m = rows_with_last(&x, kernel->n, dims)};
     const float *x_data, *skip_data, *gamma_data;
     float *sum;
     TRY(data(x.value, (void **)&x_data));
     TRY(data(skip.value, (void **)&skip_data));
     TRY(data(gamma.value, (void **)&gamma_data));
-    TRY(data(w.value, (void **)&job.w));
+    TRY(weight_data(kernel, &w, &job));
     TRY(output(ctx, 0, dims, x.rank, (void **)&job.y));
     TRY(output(ctx, 1, x.dims, x.rank, (void **)&sum));
     TRY(lossless_input(ctx, op, 4, &job));
@@ -345,7 +444,7 @@ static OrtStatus *norm_linear_compute(void *state, OrtKernelContext *ctx) {
     /* The norm is a sliver of the work (one pass over the rows); the GEMM is split over panels. */
     llmc_skip_rmsnorm_rows(x_data, skip_data, gamma_data, sum, normed, job.k, kernel->epsilon, 0, job.m);
     job.x = normed;
-    OrtStatus *status = parallel(ctx, linear_one, (size_t)w.dims[0], &job);
+    OrtStatus *status = run_linear(ctx, op, kernel, &job);
     free(normed);
     return status;
 }
@@ -362,12 +461,12 @@ static OrtStatus *swiglu_linear_compute(void *state, OrtKernelContext *ctx) {
         return error(op, "input must have an even last dim (gate then up)");
     tensor halves = x;  /* what the product reads: [.., K] */
     halves.dims[x.rank - 1] /= 2;
-    TRY(check_packed(op, kernel, &halves, &w));
-    int64_t dims[8];
-    linear_job job = {.k = w.dims[1], .n = kernel->n, .m = rows_with_last(&x, kernel->n, dims)};
+    int64_t dims[8], k;
+    TRY(check_packed(op, kernel, &halves, &w, &k));
+    linear_job job = {.k = k, .n = kernel->n, .m = rows_with_last(&x, kernel->n, dims)};
     const float *x_data;
     TRY(data(x.value, (void **)&x_data));
-    TRY(data(w.value, (void **)&job.w));
+    TRY(weight_data(kernel, &w, &job));
     TRY(output(ctx, 0, dims, x.rank, (void **)&job.y));
     TRY(lossless_input(ctx, op, 2, &job));
     if (job.m == 0)
@@ -378,7 +477,7 @@ static OrtStatus *swiglu_linear_compute(void *state, OrtKernelContext *ctx) {
     OrtStatus *status = swiglu_rows(ctx, x_data, h, job.k, job.m);
     job.x = h;
     if (status == NULL)
-        status = parallel(ctx, linear_one, (size_t)w.dims[0], &job);
+        status = run_linear(ctx, op, kernel, &job);
     free(h);
     return status;
 }
@@ -440,10 +539,22 @@ static OrtStatus *linear_create(const OrtCustomOp *op, const OrtApi *ort, const 
     if (k == NULL)
         return error("PackedMatMul", "out of memory");
     read_int(info, "n", 0, &k->n);
+    read_int(info, "weight_format", LLMC_FORMAT_FP32, &k->format);
+    read_int(info, "block_size", 0, &k->block_size);
+    read_int(info, "zero_points", 0, &k->zero_points);
     read_float(info, "epsilon", 1e-6f, &k->epsilon);
-    if (k->n <= 0) {
+    const char *problem = NULL;
+    if (k->n <= 0)
+        problem = "attribute n (output columns) must be positive";
+    else if (k->format < LLMC_FORMAT_FP32 || k->format > LLMC_FORMAT_INT4)
+        problem = "attribute weight_format must be 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8) or 4 (int4)";
+    else if ((k->format == LLMC_FORMAT_INT8 || k->format == LLMC_FORMAT_INT4) &&
+             ((k->block_size != 32 && k->block_size != 64 && k->block_size != 128) ||
+              (k->zero_points != 0 && k->zero_points != 1)))
+        problem = "quantized weights need block_size 32, 64 or 128 and zero_points 0 or 1";
+    if (problem != NULL) {
         free(k);
-        return error("PackedMatMul", "attribute n (output columns) must be positive");
+        return error("PackedMatMul", problem);
     }
     *kernel_out = k;
     return NULL;
@@ -458,9 +569,16 @@ static int start_version(const OrtCustomOp *op) { (void)op; return 1; }
 static int end_version(const OrtCustomOp *op) { (void)op; return 2147483647; }
 static int32_t required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return ORT_REQUIRED; }
 
+/* The pool (input IN_CACHE, output 1) takes any type: ORT gives output 1 the input's type. */
 static int32_t attention_input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
+    if (i == IN_CACHE)
+        return ORT_UNDEFINED;
     return (i == IN_PAST || i == IN_QLEN || i == IN_TABLES) ? ORT_INT32 : ORT_FLOAT;
+}
+static int32_t attention_output_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 1 ? ORT_UNDEFINED : ORT_FLOAT;
 }
 static int32_t attention_input_kind(const OrtCustomOp *op, size_t i) {
     (void)op;
@@ -477,8 +595,11 @@ typedef struct {
     size_t lossless; /* a GEMM op's optional last input, the weight's lossless copy */
 } op_description;
 
+/* The weight (the input before the lossless copy) takes any type: float32 panels, uint16 panels or
+ * a uint8 blob by the node's weight_format; check_packed checks it. */
 static int32_t linear_input_type(const OrtCustomOp *op, size_t i) {
-    return i == ((const op_description *)op)->lossless ? ORT_UINT8 : ORT_FLOAT;
+    size_t lossless = ((const op_description *)op)->lossless;
+    return i == lossless ? ORT_UINT8 : (i + 1 == lossless ? ORT_UNDEFINED : ORT_FLOAT);
 }
 static int32_t linear_input_kind(const OrtCustomOp *op, size_t i) {
     return i == ((const op_description *)op)->lossless ? ORT_OPTIONAL : ORT_REQUIRED;
@@ -534,6 +655,7 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
     if (attention_op.name == NULL) {
         define(&attention_op, "PagedAttention", attention_create, attention_compute, NUM_IN, 2,
                attention_input_type, attention_input_kind);
+        attention_op.op.GetOutputType = attention_output_type;
         define(&swiglu_op, "SwiGLU", swiglu_create, swiglu_compute, 1, 1, float_type, required);
         define(&linear_op, "PackedMatMul", linear_create, linear_compute, 3, 1, linear_input_type,
                linear_input_kind);

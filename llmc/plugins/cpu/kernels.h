@@ -25,8 +25,20 @@ typedef struct {
     /* The pool, updated in place, head-major: [2, num_blocks, num_kv_heads, block_size, head_dim],
      * where each (block, KV head) key tile is stored transposed, [head_dim, block_size]. A
      * tile is one contiguous run (4 KB at head_dim 64, block 16), and scoring a block is
-     * block-wide vector FMAs with no horizontal sums. */
-    float *cache;
+     * block-wide vector FMAs with no horizontal sums.
+     * kv_type (the pool input's element type, llmc build --kv-cache-dtype) picks what a tile holds:
+     * - LLMC_KV_FP32, LLMC_KV_FP16, LLMC_KV_BF16: that shape, float32 / IEEE half / bfloat16
+     *   elements, the rotated K and V rounded to nearest even;
+     * - LLMC_KV_INT8: [2, num_blocks, num_kv_heads, block_size * (head_dim + 4)] bytes: each
+     *   (plane, block, KV head) tile is block_size * head_dim int8 values laid out as the float
+     *   tiles (keys [head_dim, block_size], values [block_size, head_dim]), then block_size float32
+     *   scales, one per token: scale = max|x| / 127 over the token's head_dim values,
+     *   q = round-half-even(x / scale) (0 where scale is 0), read back as q * scale.
+     * Tasks convert each tile they read to float32 in a scratch tile, then score and weigh it as
+     * fp32 tiles; int8 scores are scaled per key column and int8 values' scales are folded into
+     * the softmax weights. */
+    void *cache;
+    int kv_type;
     const int32_t *past_lens, *query_lens, *block_tables;
     float *out; /* [B, S, num_heads * head_dim] */
     float scale, softcap;
@@ -35,6 +47,9 @@ typedef struct {
     int *out_of_memory; /* set by a task that could not allocate its scratch */
 } llmc_attention;
 
+enum { LLMC_KV_FP32 = 0, LLMC_KV_FP16 = 1, LLMC_KV_BF16 = 2, LLMC_KV_INT8 = 3 };
+/* Bytes of one (plane, block, KV head) tile of the pool. */
+int64_t llmc_attention_tile_bytes(const llmc_attention *a);
 /* Checks the step's metadata against the pool; returns NULL or a message naming the problem. */
 const char *llmc_attention_check(const llmc_attention *a);
 /* Writes every valid token's (rotated) K and V into its block. Run before any attend task. */
@@ -77,5 +92,46 @@ void llmc_linear_lossless(const float *x, const uint8_t *w, float *y, int64_t m,
  * normed = sum / sqrt(mean(sum^2) + epsilon) * gamma (ORT's SkipSimplifiedLayerNormalization). */
 void llmc_skip_rmsnorm_rows(const float *x, const float *skip, const float *gamma, float *sum, float *normed,
                             int64_t k, float epsilon, int64_t row0, int64_t row1);
+
+/* -- quantized and 16-bit weights (quant.c; llmc/plugins/cpu/quant.py writes them) -------------
+ * The ops' node attribute weight_format picks one (LLMC_FORMAT_*). The 16-bit formats are the
+ * fp32 panels [ceil(N / 32), K, 32] with uint16 elements (bf16: a float's top half; fp16: IEEE
+ * half), converted in the tile, fp32 arithmetic. The quantized ones are blockwise along K
+ * (ONNX DequantizeLinear, axis 0, block B in {32, 64, 128}): w[k, c] = (q[k, c] - zp[k / B, c]) *
+ * scale[k / B, c], stored as one uint8 blob of 32-column panels, each K / B blocks of
+ *   scale: 32 float16 (64 bytes) | zero points: 32 int8 (asymmetric only; int8: zp - 128) |
+ *   B / 4 groups of 4 k steps: int8: [32 columns][4 k] bytes (asymmetric: q - 128);
+ *                              int4: two 32-byte vectors, columns 0-15 then 16-31, each byte
+ *                              i = column % 8 * 4 + k % 4 with column c % 16 < 8 in its low nibble
+ *                              and c + 8 in its high one (symmetric: q + 8).
+ * int4 symmetric at B = 32 is 576 bytes per 1024 weights: 4.5 bits a weight. Padding columns of
+ * the last panel have scale 0. The activations are quantized per row and block: sx = max|x| / 127,
+ * xq = round-half-even(x * (1 / sx)) in int8 (a zero block: 0), then
+ * y[r, c] = sum over blocks of scale[c] * sx[r] * sum_k xq * (q - zp), integer inner sums. */
+enum { LLMC_FORMAT_FP32 = 0, LLMC_FORMAT_BF16 = 1, LLMC_FORMAT_FP16 = 2, LLMC_FORMAT_INT8 = 3, LLMC_FORMAT_INT4 = 4 };
+
+int64_t llmc_quant_block_bytes(int bits, int64_t block, int zero_points);
+int64_t llmc_quant_bytes(int64_t k, int64_t n, int bits, int64_t block, int zero_points);
+
+/* Rows quantized once per op call, before the parallel loop over panels (a scratch of
+ * llmc_qact_bytes). */
+typedef struct {
+    int8_t *q;    /* [m, k] */
+    float *scale; /* [m, k / block]: sx */
+    float *sum;   /* [m, k / 32]: the sum of q over each 32 k steps (an integer, as a float) */
+    int64_t m, k, block;
+} llmc_qact;
+int64_t llmc_qact_bytes(int64_t m, int64_t k, int64_t block);
+void llmc_qact_init(llmc_qact *a, void *scratch, int64_t m, int64_t k, int64_t block);
+void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_t row1);
+
+/* y[m, n] = the quantized rows times a quantized blob, panels [p0, p1). AVX2 where the CPU has
+ * it (llmc_quant_fast_path), plain C elsewhere: the same integer sums either way. */
+void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int bits, int zero_points,
+                       int64_t p0, int64_t p1);
+/* y[m, n] = x @ W for 16-bit panels, panels [p0, p1). */
+void llmc_linear_16bit(const float *x, const uint16_t *w, float *y, int64_t m, int64_t k, int64_t n, int bf16,
+                       int64_t p0, int64_t p1);
+int llmc_quant_fast_path(void);
 
 #endif

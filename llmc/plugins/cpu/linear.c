@@ -1,7 +1,8 @@
 /* See kernels.h. The tile is up to 12 rows x 32 columns: 24 accumulator registers (AVX-512),
  * each k step loading two weight vectors and feeding 24 FMAs with broadcast activations. Rows
  * beyond 12 take another pass over the panel, from cache; 12 rather than 8 per pass was measured
- * faster on 16-row decode steps (docs/attention_cpu.md). */
+ * faster on 16-row decode steps (docs/attention_cpu.md). CPUs with AVX2 but not AVX-512 take a
+ * tile of 3 rows x 32 columns instead, which fits their 16 ymm registers (panels_avx2 below). */
 #include "kernels.h"
 #include "simd.h"
 
@@ -49,8 +50,8 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
 }
 
 LLMC_CLONES
-void llmc_linear_panels(const float *x, const float *w_packed, float *y, int64_t m, int64_t k, int64_t n,
-                        int64_t p0, int64_t p1) {
+static void panels_vec(const float *x, const float *w_packed, float *y, int64_t m, int64_t k, int64_t n, int64_t p0,
+                       int64_t p1) {
     float tail[12 * LLMC_PANEL];
     const int once = m <= ONE_PASS_ROWS;
     for (int64_t p = p0; p < p1; p++) {
@@ -75,6 +76,90 @@ void llmc_linear_panels(const float *x, const float *w_packed, float *y, int64_t
             r += rows;
         }
     }
+}
+
+/* -- AVX2 without AVX-512: 16 ymm registers --------------------------------------------------------
+ * The tile above needs 2R zmm accumulators; built for AVX2 (the x86-64-v3 clone) it needs 4R ymm
+ * ones, 48 for 12 rows, and GCC keeps them on the stack. Here a tile is 3 rows x 32 columns: 12 ymm
+ * accumulators, the 3 rows' broadcast activations and one weight vector fill the 16 registers, 7
+ * loads per 12 FMAs. Each output is still one fused multiply-add per k step in k order, as in the
+ * tile above, so the two paths give the same bits. Measured on an AVX2 EPYC (docs/attention_cpu.md):
+ * 3 rows beat 2, 4 (16 accumulators: 4 spilled) and 6 x 16 half panels (one cache line per k step:
+ * 1.6-2x slower at M <= 8), and software prefetch (PREFETCH_AHEAD, either hint) made it slower
+ * (0.80-0.99x without it), so this tile leaves the weight stream to the hardware prefetchers. */
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#include <stdlib.h>
+#define HAVE_AVX2_TILE 1
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2_ROWS 3
+
+/* The AVX2 tile, where the CPU has no AVX-512 (whose clone of panels_vec is the better path). */
+static int fp32_avx2(void) { return llmc_avx2() && !__builtin_cpu_supports("avx512f"); }
+
+/* Rows [0, R) of x times one panel into out (row stride out_stride). */
+static inline __attribute__((always_inline)) AVX2 void tile_avx2(const float *restrict x, const float *restrict panel,
+                                                                 float *restrict out, int64_t k, int64_t out_stride,
+                                                                 const int R) {
+    __m256 a[AVX2_ROWS][4]; /* fixed sizes: GCC keeps variable-length arrays in memory */
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            a[r][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        const float *w = panel + i * LLMC_PANEL;
+        __m256 xb[AVX2_ROWS];
+        for (int r = 0; r < R; r++)
+            xb[r] = _mm256_broadcast_ss(x + r * k + i);
+        for (int j = 0; j < 4; j++) {
+            __m256 wj = _mm256_loadu_ps(w + 8 * j);
+            for (int r = 0; r < R; r++)
+                a[r][j] = _mm256_fmadd_ps(xb[r], wj, a[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_ps(out + r * out_stride + 8 * j, a[r][j]);
+}
+
+static AVX2 void panels_avx2(const float *x, const float *w_packed, float *y, int64_t m, int64_t k, int64_t n,
+                             int64_t p0, int64_t p1) {
+    float tail[AVX2_ROWS * LLMC_PANEL];
+    for (int64_t p = p0; p < p1; p++) {
+        const float *panel = w_packed + p * k * LLMC_PANEL;
+        int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;
+        for (int64_t r = 0; r < m;) {
+            int64_t rows = m - r >= AVX2_ROWS ? AVX2_ROWS : m - r;
+            float *out = width == LLMC_PANEL ? y + r * n + col : tail;
+            int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;
+            if (rows == 3)
+                tile_avx2(x + r * k, panel, out, k, stride, 3);
+            else if (rows == 2)
+                tile_avx2(x + r * k, panel, out, k, stride, 2);
+            else
+                tile_avx2(x + r * k, panel, out, k, stride, 1);
+            if (width != LLMC_PANEL)
+                for (int64_t i = 0; i < rows; i++)
+                    memcpy(y + (r + i) * n + col, tail + i * LLMC_PANEL, (size_t)width * sizeof(float));
+            r += rows;
+        }
+    }
+}
+#else
+#define HAVE_AVX2_TILE 0
+#endif
+
+/* AVX2-only CPUs take the tile that fits their registers; the rest (AVX-512, or no AVX2) panels_vec,
+ * whose clone the loader picked. */
+void llmc_linear_panels(const float *x, const float *w_packed, float *y, int64_t m, int64_t k, int64_t n,
+                        int64_t p0, int64_t p1) {
+#if HAVE_AVX2_TILE
+    if (fp32_avx2()) {
+        panels_avx2(x, w_packed, y, m, k, n, p0, p1);
+        return;
+    }
+#endif
+    panels_vec(x, w_packed, y, m, k, n, p0, p1);
 }
 
 LLMC_CLONES

@@ -32,7 +32,9 @@ typedef struct OrtApiBase {
 } OrtApiBase;
 
 /* Enum values used (ONNXTensorElementDataType, OrtErrorCode, OrtCustomOpInputOutputCharacteristic). */
-enum { ORT_FLOAT = 1, ORT_UINT8 = 2, ORT_INT32 = 6 };
+/* ORT_UNDEFINED as an input's type lets the input take any type (the GEMMs' weight). */
+enum { ORT_UNDEFINED = 0, ORT_FLOAT = 1, ORT_UINT8 = 2, ORT_INT8 = 3, ORT_UINT16 = 4, ORT_INT32 = 6, ORT_FLOAT16 = 10,
+       ORT_BFLOAT16 = 16 };
 enum { ORT_INVALID_ARGUMENT = 2 };
 enum { ORT_REQUIRED = 0, ORT_OPTIONAL = 1 };
 

@@ -2,15 +2,18 @@
 #ifndef LLMC_SIMD_H
 #define LLMC_SIMD_H
 
-/* Each exported kernel is cloned for AVX-512, AVX2 and baseline x86-64; the loader picks the
- * best the CPU has, so one build runs anywhere. */
+/* Each exported kernel is cloned for AVX-512, AVX2 + FMA and baseline x86-64; the loader picks the
+ * best the CPU has, so one build runs anywhere. In target_clones a comma separates clones, so the
+ * middle one cannot be "avx2,fma" (that makes an AVX2 clone without FMA, which the resolver picks
+ * over an FMA one without AVX2): it is the x86-64-v3 level (AVX2, FMA, F16C, BMI1/2), which GCC's
+ * resolver ranks below avx512f and above everything else. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LLMC_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#define LLMC_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
 #else
 #define LLMC_CLONES
 #endif
 
-/* 16 floats: one AVX-512 register (two AVX2 ones in the avx2 clone). GCC/clang's vector
+/* 16 floats: one AVX-512 register (two AVX2 ones in the x86-64-v3 clone). GCC/clang's vector
  * extension keeps register-blocked loops portable across the clones. */
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
@@ -27,6 +30,22 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 #define PREFETCH(p) __builtin_prefetch((p), 0, 3)
 #define PREFETCH_ONCE(p) __builtin_prefetch((p), 0, 0)
 #endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <stdlib.h>
+/* Whether the hand-written AVX2 paths may run: the CPU has AVX2, FMA and F16C, and
+ * LLMC_CPU_PLAIN=1 in the environment (which the tests also run) does not force the portable
+ * code. Kernels whose AVX-512 clone is the better path also check for avx512f. */
+static inline int llmc_avx2(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        const char *plain = getenv("LLMC_CPU_PLAIN");
+        cached = !(plain != NULL && plain[0] == '1') && __builtin_cpu_supports("avx2") &&
+                 __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    }
+    return cached;
+}
+#endif
+
 /* PREFETCH_ONCE is for data read once and not again soon (a weight streamed by a single pass):
  * the non-temporal hint keeps it from displacing what the caches hold for the rest of the step. */
 

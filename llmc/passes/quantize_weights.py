@@ -1,0 +1,262 @@
+"""quantize-weights (`llmc build --quant int8|int4`, `--weight-dtype bf16|fp16`): weights stored
+in fewer bits, in standard ONNX, so every backend reads the same graph.
+
+- A constant-weight MatMul becomes `MatMul(x, DequantizeLinear(q, scale[, zero_point], axis=0,
+  block_size=B))` for int8/int4 (the Q/DQ form TensorRT consumes and ONNX Runtime runs), or
+  `MatMul(x, Cast(w16, to=float))` for bf16/fp16 (16-bit storage, fp32 arithmetic).
+- The embedding table's Gather becomes a Gather of the integers and of the scales feeding one
+  DequantizeLinear over the gathered rows (blocks along the hidden axis), or a Gather of 16-bit
+  rows and a Cast.
+The LM head (the MatMul writing `logits`), the embedding and the other projections each take
+the format `BuildOptions.format_of` gives their role. `packed-matmul` later lowers DQ/Cast ->
+MatMul onto llmc's kernels. The pass runs on the canonical graph (before the KV rewrite), where
+a plain session can run calibration text for the activation-aware method. It records what it
+did per tensor in the graph's metadata (METADATA_KEY) for the manifest and the build report.
+"""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+from llmc.contract import graph_io as io
+from llmc.contract.model_spec import ModelSpec
+from llmc.contract.options import QUANT_BITS, BuildOptions
+from llmc.passes.graph import perm, producer, weight
+from llmc.passes.manager import PassResult
+from llmc.passes.quantizers import QuantizedWeight, quantize, relative_error
+from llmc.passes.rewrite import Rule, RulePass
+
+METADATA_KEY = "llmc.quantization"
+SIXTEEN_BIT = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
+FLOAT = ir.DataType.FLOAT.value
+INT_TYPES = {(4, True): ml_dtypes.int4, (4, False): ml_dtypes.uint4, (8, True): np.int8, (8, False): np.uint8}
+
+
+def matmul_weight(value: ir.Value | None) -> np.ndarray | None:
+    """A MatMul's constant right operand as [K, N]: an initializer, or a Transpose of one (the LM
+    head of a tied model reads the embedding table transposed)."""
+    if (array := weight(value)) is not None:
+        return array
+    node = producer(value, "Transpose")
+    if node is None or (array := weight(node.inputs[0])) is None or array.ndim != 2:
+        return None
+    return array.T if perm(node) in (None, (1, 0)) else None
+
+
+class _Quantizer:
+    """What the rules share: the options, the calibration statistics and the per-tensor record."""
+
+    def __init__(self, options: BuildOptions):
+        self.options = options
+        self.importance: dict[str, np.ndarray] = {}  # MatMul node name -> mean square input per row k
+        self.records: dict[str, dict] = {}
+
+    def integers(self, w: np.ndarray, fmt: str, importance: np.ndarray | None) -> QuantizedWeight:
+        o = self.options
+        method = "search" if o.quant_method == "awq" else o.quant_method
+        return quantize(w, QUANT_BITS[fmt], o.quant_block_size, o.quant_symmetric, method, importance)
+
+    def record(self, name: str, role: str, fmt: str, w: np.ndarray, stored: np.ndarray | QuantizedWeight) -> None:
+        restored = stored.astype(np.float32) if isinstance(stored, np.ndarray) else stored.dequantize()
+        norm = float(np.linalg.norm(w))
+        error = relative_error(w, stored) if isinstance(stored, QuantizedWeight) else \
+            (float(np.linalg.norm(w - restored)) / norm if norm else 0.0)
+        self.records[name] = {"role": role, "format": fmt, "shape": list(w.shape), "relative_error": error}
+
+
+def _int_initializer(op, q: QuantizedWeight, name: str):
+    symmetric = q.zero_point is None
+    kind = INT_TYPES[(q.bits, symmetric)]
+    values = [op.initializer(q.q.astype(kind), f"{name}.q"), op.initializer(q.scale, f"{name}.scale")]
+    if not symmetric:
+        values.append(op.initializer(q.zero_point.astype(kind), f"{name}.zero_point"))
+    return values
+
+
+class QuantizeMatMul(Rule):
+    name = "quantize_matmul"
+
+    def __init__(self, quantizer: _Quantizer):
+        self.quantizer = quantizer
+
+    def pattern(self, op, x, w):
+        return op.MatMul(x, w)
+
+    def match(self, node):
+        m = super().match(node)
+        return m if m is not None and self._format(m) != "fp32" else None
+
+    def _role(self, m) -> str:
+        return "lm_head" if m.outputs[0].is_graph_output() and m.outputs[0].name == io.LOGITS else "body"
+
+    def _format(self, m) -> str:
+        return self.quantizer.options.format_of(self._role(m))
+
+    def check(self, m):
+        w = matmul_weight(m.w)
+        if w is None:
+            return "the weight is not a constant initializer"
+        if w.ndim != 2 or w.dtype != np.float32:
+            return f"the weight is {w.ndim}-D {w.dtype}, not 2-D float32"
+        block = self.quantizer.options.quant_block_size
+        if self._format(m) in QUANT_BITS and w.shape[0] % block:
+            return f"K = {w.shape[0]} is not a multiple of the block size {block}"
+        return None
+
+    def rewrite(self, op, m):
+        w, fmt, role = matmul_weight(m.w), self._format(m), self._role(m)
+        name = f"{m.root.name}.weight"
+        if fmt in SIXTEEN_BIT:
+            stored = w.astype(SIXTEEN_BIT[fmt])
+            self.quantizer.record(name, role, fmt, w, stored)
+            return op.MatMul(m.x, op.Cast(op.initializer(stored, name), to=FLOAT))
+        q = self.quantizer.integers(w, fmt, self.quantizer.importance.get(m.root.name))
+        self.quantizer.record(name, role, fmt, w, q)
+        dq = op.DequantizeLinear(*_int_initializer(op, q, name), axis=0, block_size=q.block_size)
+        return op.MatMul(m.x, dq)
+
+
+class ScaledQuantizeMatMul(QuantizeMatMul):
+    """--quant-method awq, a MatMul reading an RMSNormalization's output alone (QKV, gate/up, LM
+    head): AWQ's per-channel scaling. x W = (x / s)(s W) for any positive s [K]; rows of W whose
+    activations run large are scaled up before quantization, so they get finer steps, and 1 / s is
+    folded into the norm's gamma. s = rms(x)^alpha, alpha chosen per MatMul by the activation-
+    weighted error of the result on the calibration statistics."""
+
+    name = "quantize_matmul_scaled"
+    ALPHAS = (0.0, 0.25, 0.5, 0.75)
+
+    def pattern(self, op, x, gamma, w):
+        return op.MatMul(op.RMSNormalization(x, gamma, _name="norm"), w)
+
+    def match(self, node):
+        m = super().match(node)
+        if m is None or self._format(m) not in QUANT_BITS or node.name not in self.quantizer.importance:
+            return None
+        return m
+
+    def check(self, m):
+        gamma = weight(m.gamma)
+        if gamma is None or gamma.ndim != 1:
+            return "the norm's gamma is not a constant 1-D initializer"
+        return super().check(m)
+
+    def rewrite(self, op, m):
+        w, fmt, role = matmul_weight(m.w), self._format(m), self._role(m)
+        importance = self.quantizer.importance[m.root.name].astype(np.float64)
+        rms = np.sqrt(np.maximum(importance, 1e-12))
+        best = None
+        for alpha in self.ALPHAS:
+            s = (rms / np.exp(np.log(rms).mean())) ** alpha  # geometric mean 1: gamma keeps its scale
+            q = self.quantizer.integers((w * s[:, None]).astype(np.float32), fmt, (importance / s ** 2).astype(np.float32))
+            error = float((importance[:, None] * (w - q.dequantize() / s[:, None]) ** 2).sum())
+            if best is None or error < best[0]:
+                best = (error, s, q, alpha)
+        _, s, q, alpha = best
+        name = f"{m.root.name}.weight"
+        self.quantizer.record(name, role, fmt, w, _Unscaled(q, s))
+        op.count(f"awq_alpha_{alpha:g}")
+        gamma = op.initializer((weight(m.gamma) / s).astype(np.float32), f"{m.gamma.name}.awq.{m.root.name}")
+        normed = op.like(m.norm, m.x, gamma)
+        normed.shape, normed.type = m.norm.outputs[0].shape, m.norm.outputs[0].type  # later rules read them
+        dq = op.DequantizeLinear(*_int_initializer(op, q, name), axis=0, block_size=q.block_size)
+        return op.MatMul(normed, dq)
+
+
+class _Unscaled(QuantizedWeight):
+    """A scaled weight's quantization, dequantized back to the original weight's scale (for its
+    error figure)."""
+
+    def __init__(self, q: QuantizedWeight, s: np.ndarray):
+        super().__init__(q.q, q.scale, q.zero_point, q.bits, q.block_size)
+        self.s = s
+
+    def dequantize(self) -> np.ndarray:
+        return (super().dequantize() / self.s[:, None]).astype(np.float32)
+
+
+class QuantizeEmbedding(Rule):
+    name = "quantize_embedding"
+
+    def __init__(self, quantizer: _Quantizer):
+        self.quantizer = quantizer
+
+    def pattern(self, op, table, ids):
+        return op.Gather(table, ids)
+
+    def match(self, node):
+        m = super().match(node)
+        if m is None or self.quantizer.options.format_of("embedding") == "fp32":
+            return None
+        return m if io.INPUT_IDS in _sources(m.ids) else None
+
+    def check(self, m):
+        table = weight(m.table)
+        if table is None or table.ndim != 2 or table.dtype != np.float32:
+            return "the embedding table is not a constant 2-D float32 initializer"
+        if m.root.attributes.get_int("axis", 0) != 0:
+            return "the Gather does not pick rows"
+        block = self.quantizer.options.quant_block_size
+        if self.quantizer.options.format_of("embedding") in QUANT_BITS and table.shape[1] % block:
+            return f"the hidden size {table.shape[1]} is not a multiple of the block size {block}"
+        return None
+
+    def rewrite(self, op, m):
+        table, fmt = weight(m.table), self.quantizer.options.format_of("embedding")
+        name = f"{m.table.name}.embedding"
+        if fmt in SIXTEEN_BIT:
+            stored = table.astype(SIXTEEN_BIT[fmt])
+            self.quantizer.record(name, "embedding", fmt, table, stored)
+            return op.Cast(op.Gather(op.initializer(stored, name), m.ids, axis=0), to=FLOAT)
+        # Blocks along the hidden axis: the table's rows are what a token reads.
+        q = self.quantizer.integers(np.ascontiguousarray(table.T), fmt, None)
+        self.quantizer.record(name, "embedding", fmt, table.T, q)
+        rows = QuantizedWeight(np.ascontiguousarray(q.q.T), np.ascontiguousarray(q.scale.T),
+                               None if q.zero_point is None else np.ascontiguousarray(q.zero_point.T),
+                               q.bits, q.block_size)
+        gathered = [op.Gather(v, m.ids, axis=0) for v in _int_initializer(op, rows, name)]
+        return op.DequantizeLinear(*gathered, axis=-1, block_size=q.block_size)
+
+
+def _sources(value: ir.Value, depth: int = 4) -> set[str]:
+    """The graph inputs `value` derives from through a few nodes (the token ids may be reshaped)."""
+    if value.producer() is None:
+        return {value.name} if value.name else set()
+    if depth == 0:
+        return set()
+    return {s for v in value.producer().inputs if v is not None for s in _sources(v, depth - 1)}
+
+
+class QuantizeWeights(RulePass):
+    name = "quantize-weights"
+    description = "store the weights in fewer bits (int8/int4 blocks or 16-bit), as DequantizeLinear/Cast -> MatMul"
+    lossy = True
+
+    def __init__(self, options: BuildOptions, calibration: np.ndarray | None = None):
+        self.options = options
+        self.calibration = calibration  # [windows, tokens] token ids, for --quant-method awq
+
+    def rules(self, spec: ModelSpec):
+        return [ScaledQuantizeMatMul(self.quantizer), QuantizeMatMul(self.quantizer), QuantizeEmbedding(self.quantizer)]
+
+    def apply(self, model: ir.Model, spec: ModelSpec) -> PassResult:
+        self.quantizer = _Quantizer(self.options)
+        if self.options.quant_method == "awq" and self.options.quant != "none":
+            if self.calibration is None:
+                return PassResult(False, {}, ["--quant-method awq needs calibration text; none was given"])
+            from llmc.passes.calibrate import mean_square_inputs
+
+            self.quantizer.importance = mean_square_inputs(model, self.calibration)
+        result = super().apply(model, spec)
+        if self.quantizer.records:
+            model.metadata_props[METADATA_KEY] = json.dumps(self.quantizer.records)
+        return result
+
+
+def records_of(model: ir.Model) -> dict[str, dict]:
+    """What quantize-weights did per tensor (name -> role, format, shape, relative_error), taken off the graph."""
+    return json.loads(model.metadata_props.pop(METADATA_KEY, "{}"))

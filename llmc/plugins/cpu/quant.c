@@ -1,0 +1,426 @@
+/* See kernels.h: the quantized (int8/int4 blockwise) and 16-bit (bf16/fp16) weight formats of the
+ * packed GEMM. Each has an AVX2 path (intrinsics, target avx2+fma+f16c, chosen at run time) and a
+ * plain C one for other CPUs, which computes the same integer dot products.
+ *
+ * The quantized tile is rows [0, R) x one 32-column panel. Per group of 4 k steps, a 32-byte
+ * vector holds 8 columns x 4 k bytes, so vpmaddubsw against the row's 4 activation bytes
+ * (broadcast) gives each column two pair sums, and vpmaddwd with ones their sum: 4 k steps of
+ * 8 columns per instruction pair, no horizontal sums.
+ * - int4: the weight is the unsigned operand (nibbles 0..15, the symmetric ones stored + 8) and
+ *   the activation the signed one; 15 * 127 * 2 = 3810 per pair, so the 16-bit sums of a 32-k
+ *   sub-block (8 groups, < 30480) are added as they are and widened once per sub-block.
+ * - int8: maddubs(|w|, sign(x, w)) (x in [-127, 127], so its negation never wraps; |-128| reads
+ *   as the unsigned 128): at most 128 * 127 * 2 = 32512 per pair, widened at once.
+ * The zero point (int4's stored offset included) is applied at the end of a sub-block as
+ * dot - zp * sum(xq), exact in float32 (every term an integer below 2^24), then the sub-block adds
+ * scale[c] * sx[r] * that to the row's float accumulator.
+ * Two rows per tile: 8 integer accumulators, 4 weight vectors and the constants fill the 16 ymm
+ * registers (the float accumulators are touched once per sub-block). */
+#include "kernels.h"
+#include "simd.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QUANT_HEADER 64     /* a block's 32 scales, float16 */
+#define QUANT_ZP 32         /* a block's 32 zero points, int8 (asymmetric only) */
+#define SUB 32              /* k steps per activation sum, and int4's 16-bit sub-block */
+#ifndef QUANT_AHEAD
+#define QUANT_AHEAD 4096 /* prefetch distance in bytes, as the lossless tile's */
+#endif
+#define HALF_AHEAD 8192     /* the 16-bit tile's: half the fp32 tile's 16 KB, the same k steps ahead */
+#define ONE_PASS_ROWS 2     /* rows per tile: more rows take another pass over the panel, from cache */
+
+static int64_t group_bytes(int bits) { return bits == 8 ? 4 * LLMC_PANEL : 2 * LLMC_PANEL; }
+
+int64_t llmc_quant_block_bytes(int bits, int64_t block, int zero_points) {
+    return QUANT_HEADER + (zero_points ? QUANT_ZP : 0) + block / 4 * group_bytes(bits);
+}
+
+int64_t llmc_quant_bytes(int64_t k, int64_t n, int bits, int64_t block, int zero_points) {
+    return (n + LLMC_PANEL - 1) / LLMC_PANEL * (k / block) * llmc_quant_block_bytes(bits, block, zero_points);
+}
+
+/* -- activations ---------------------------------------------------------------------------- */
+
+static int64_t round_up(int64_t v) { return (v + 63) / 64 * 64; }
+
+int64_t llmc_qact_bytes(int64_t m, int64_t k, int64_t block) {
+    return round_up(m * k) + round_up(4 * m * (k / block)) + round_up(4 * m * (k / SUB));
+}
+
+void llmc_qact_init(llmc_qact *a, void *scratch, int64_t m, int64_t k, int64_t block) {
+    uint8_t *p = scratch;
+    a->q = (int8_t *)p;
+    a->scale = (float *)(p + round_up(m * k));
+    a->sum = (float *)(p + round_up(m * k) + round_up(4 * m * (k / block)));
+    a->m = m;
+    a->k = k;
+    a->block = block;
+}
+
+LLMC_CLONES
+void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_t row1) {
+    const int64_t k = a->k, B = a->block;
+    for (int64_t r = row0; r < row1; r++)
+        for (int64_t b = 0; b < k / B; b++) {
+            const float *xb = x + r * k + b * B;
+            int8_t *q = a->q + r * k + b * B;
+            float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+            for (int64_t i = 0; i < B; i++)
+                amax = fmaxf(amax, fabsf(xb[i]));
+            float sx = amax / 127.0f;
+            if (!(sx > 0.0f) || !isfinite(sx)) { /* a zero (or non-finite) block contributes 0 */
+                sx = 0.0f;
+                memset(q, 0, (size_t)B);
+            } else {
+                const float inv = 1.0f / sx;
+#pragma omp simd
+                for (int64_t i = 0; i < B; i++) {
+                    float v = nearbyintf(xb[i] * inv); /* half to even, as the reference's np.rint */
+                    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+                    q[i] = (int8_t)v;
+                }
+            }
+            a->scale[r * (k / B) + b] = sx;
+            for (int64_t s = 0; s < B / SUB; s++) {
+                int32_t total = 0;
+#pragma omp simd reduction(+ : total)
+                for (int64_t i = 0; i < SUB; i++)
+                    total += q[s * SUB + i];
+                a->sum[r * (k / SUB) + b * (B / SUB) + s] = (float)total;
+            }
+        }
+}
+
+/* -- plain C: any CPU ------------------------------------------------------------------------- */
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F)
+        bits = sign | 0x7F800000u | (man << 13);
+    else if (exp != 0)
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (man == 0)
+        bits = sign;
+    else { /* subnormal: normalize */
+        int e = -1;
+        do {
+            e++;
+            man <<= 1;
+        } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* The stored weight of (column c, k step kk of group g) in a block's weights. */
+static int stored_weight(const uint8_t *wq, int bits, int64_t g, int c, int kk) {
+    if (bits == 8)
+        return ((const int8_t *)wq)[g * 128 + c * 4 + kk];
+    int half = c / 16, high = (c % 16) / 8;
+    uint8_t byte = wq[g * 64 + half * 32 + (c % 8) * 4 + kk];
+    return high ? byte >> 4 : byte & 15;
+}
+
+static void quant_panel_plain(const llmc_qact *a, const uint8_t *panel, float *out, int64_t out_stride,
+                              int64_t row0, int64_t rows, int bits, int zp) {
+    const int64_t k = a->k, B = a->block, nb = k / B, bb = llmc_quant_block_bytes(bits, B, zp);
+    for (int64_t r = 0; r < rows; r++) {
+        float acc[LLMC_PANEL] = {0};
+        const int8_t *xq = a->q + (row0 + r) * k;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = panel + b * bb, *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
+            float sx = a->scale[(row0 + r) * nb + b];
+            int64_t span = bits == 4 ? SUB : B; /* as the AVX2 tile: int4 per 32 k, int8 per block */
+            for (int64_t s0 = 0; s0 < B; s0 += span) {
+                float xs = 0.0f;
+                for (int64_t s = s0 / SUB; s < (s0 + span) / SUB; s++)
+                    xs += a->sum[(row0 + r) * (k / SUB) + b * (B / SUB) + s];
+                for (int c = 0; c < LLMC_PANEL; c++) {
+                    int32_t dot = 0;
+                    for (int64_t i = s0; i < s0 + span; i++)
+                        dot += xq[b * B + i] * stored_weight(wq, bits, i / 4, c, (int)(i % 4));
+                    float offset = zp ? (float)((const int8_t *)(blk + QUANT_HEADER))[c] : (bits == 4 ? 8.0f : 0.0f);
+                    uint16_t h;
+                    memcpy(&h, blk + 2 * c, sizeof h);
+                    acc[c] += ((float)dot - offset * xs) * (half_to_float(h) * sx);
+                }
+            }
+        }
+        memcpy(out + r * out_stride, acc, sizeof acc);
+    }
+}
+
+static void half_panel_plain(const float *x, const uint16_t *panel, float *out, int64_t out_stride, int64_t k,
+                             int64_t rows, int bf16) {
+    for (int64_t r = 0; r < rows; r++) {
+        float acc[LLMC_PANEL] = {0};
+        for (int64_t i = 0; i < k; i++) {
+            float xv = x[r * k + i];
+            for (int c = 0; c < LLMC_PANEL; c++) {
+                uint16_t h = panel[i * LLMC_PANEL + c];
+                acc[c] += xv * (bf16 ? bf16_to_float(h) : half_to_float(h));
+            }
+        }
+        memcpy(out + r * out_stride, acc, sizeof acc);
+    }
+}
+
+/* -- AVX2 ------------------------------------------------------------------------------------ */
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_AVX2_PATH 1
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* Rows [0, R) of the quantized activations from row0, times one quantized panel, into out. */
+static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qact *a, int64_t row0,
+                                                                  const uint8_t *panel, float *out,
+                                                                  int64_t out_stride, const int R, const int bits,
+                                                                  const int zp, const int once) {
+    const int64_t k = a->k, B = a->block, nb = k / B, gb = group_bytes(bits);
+    const int64_t bb = llmc_quant_block_bytes(bits, B, zp), span = bits == 4 ? SUB : B;
+    const int8_t *xq[R];
+    for (int r = 0; r < R; r++)
+        xq[r] = a->q + (row0 + r) * k;
+    __m256 acc[R][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            acc[r][j] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+    const uint8_t *blk = panel;
+    for (int64_t b = 0; b < nb; b++, blk += bb) {
+        const uint8_t *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
+        if (once) {
+            PREFETCH_ONCE(blk + QUANT_AHEAD);
+            PREFETCH_ONCE(blk + QUANT_AHEAD + 64);
+        } else {
+            PREFETCH(blk + QUANT_AHEAD);
+            PREFETCH(blk + QUANT_AHEAD + 64);
+        }
+        for (int64_t s0 = 0; s0 < B; s0 += span) {
+            __m256i dot[R][4];
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < 4; j++)
+                    dot[r][j] = _mm256_setzero_si256();
+            for (int64_t g = s0 / 4; g < (s0 + span) / 4; g++) {
+                const uint8_t *gp = wq + g * gb;
+                if (once)
+                    PREFETCH_ONCE(gp + QUANT_AHEAD);
+                else
+                    PREFETCH(gp + QUANT_AHEAD);
+                if (bits == 4) {
+                    __m256i v0 = _mm256_loadu_si256((const __m256i *)gp);
+                    __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 32));
+                    __m256i w[4] = {_mm256_and_si256(v0, nibble), _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble),
+                                    _mm256_and_si256(v1, nibble), _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble)};
+                    for (int r = 0; r < R; r++) {
+                        int32_t four;
+                        memcpy(&four, xq[r] + b * B + g * 4, sizeof four);
+                        __m256i xb = _mm256_set1_epi32(four);
+                        for (int j = 0; j < 4; j++)
+                            dot[r][j] = _mm256_add_epi16(dot[r][j], _mm256_maddubs_epi16(w[j], xb));
+                    }
+                } else {
+                    if (once)
+                        PREFETCH_ONCE(gp + QUANT_AHEAD + 64);
+                    else
+                        PREFETCH(gp + QUANT_AHEAD + 64);
+                    __m256i w[4], aw[4];
+                    for (int j = 0; j < 4; j++) {
+                        w[j] = _mm256_loadu_si256((const __m256i *)(gp + 32 * j));
+                        aw[j] = _mm256_abs_epi8(w[j]);
+                    }
+                    for (int r = 0; r < R; r++) {
+                        int32_t four;
+                        memcpy(&four, xq[r] + b * B + g * 4, sizeof four);
+                        __m256i xb = _mm256_set1_epi32(four);
+                        for (int j = 0; j < 4; j++)
+                            dot[r][j] = _mm256_add_epi32(
+                                dot[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xb, w[j])),
+                                                             ones));
+                    }
+                }
+            }
+            /* The sub-block's scales and offsets, then each row's share. */
+            __m256 scale[4], offset[4];
+            for (int j = 0; j < 4; j++) {
+                scale[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * j)));
+                if (zp)
+                    offset[j] = _mm256_cvtepi32_ps(
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + QUANT_HEADER + 8 * j))));
+                else
+                    offset[j] = _mm256_set1_ps(8.0f); /* int4's stored offset; int8 symmetric has none */
+            }
+            for (int r = 0; r < R; r++) {
+                const float *sums = a->sum + (row0 + r) * (k / SUB) + b * (B / SUB) + s0 / SUB;
+                float xs = 0.0f;
+                for (int64_t s = 0; s < span / SUB; s++)
+                    xs += sums[s];
+                __m256 sx = _mm256_set1_ps(a->scale[(row0 + r) * nb + b]), xsv = _mm256_set1_ps(xs);
+                for (int j = 0; j < 4; j++) {
+                    __m256 d = _mm256_cvtepi32_ps(bits == 4 ? _mm256_madd_epi16(dot[r][j], ones) : dot[r][j]);
+                    if (zp || bits == 4)
+                        d = _mm256_fnmadd_ps(offset[j], xsv, d);
+                    acc[r][j] = _mm256_fmadd_ps(d, _mm256_mul_ps(scale[j], sx), acc[r][j]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_ps(out + r * out_stride + 8 * j, acc[r][j]);
+}
+
+/* One format's panels [p0, p1): the tile specialized per (rows, format) at compile time. */
+#define QUANT_PANELS(NAME, BITS, ZP)                                                                      \
+    static AVX2 void NAME(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int64_t p0, int64_t p1) { \
+        float tail[ONE_PASS_ROWS * LLMC_PANEL];                                                           \
+        const int64_t bytes = (a->k / a->block) * llmc_quant_block_bytes(BITS, a->block, ZP);             \
+        const int once = a->m <= ONE_PASS_ROWS;                                                           \
+        for (int64_t p = p0; p < p1; p++) {                                                               \
+            const uint8_t *panel = w + p * bytes;                                                         \
+            int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;            \
+            for (int64_t r = 0; r < a->m;) {                                                              \
+                int64_t rows = a->m - r >= 2 ? 2 : 1;                                                     \
+                float *out = width == LLMC_PANEL ? y + r * n + col : tail;                                \
+                int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;                                    \
+                if (rows == 2)                                                                            \
+                    quant_tile(a, r, panel, out, stride, 2, BITS, ZP, once);                              \
+                else                                                                                      \
+                    quant_tile(a, r, panel, out, stride, 1, BITS, ZP, once);                              \
+                if (width != LLMC_PANEL)                                                                  \
+                    for (int64_t i = 0; i < rows; i++)                                                    \
+                        memcpy(y + (r + i) * n + col, tail + i * LLMC_PANEL, (size_t)width * sizeof(float)); \
+                r += rows;                                                                                \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+QUANT_PANELS(int4_sym, 4, 0)
+QUANT_PANELS(int4_asym, 4, 1)
+QUANT_PANELS(int8_sym, 8, 0)
+QUANT_PANELS(int8_asym, 8, 1)
+
+/* AVX-512 VNNI would go here: vpdpbusd (u8 x s8 -> s32 in one instruction) on 16-column zmm
+ * vectors of the same 4-k groups (a 512-bit vector is 16 columns x 4 k), dispatched on
+ * __builtin_cpu_supports("avx512vnni") ahead of the AVX2 tile. Not written: this machine has
+ * neither AVX-512 nor VNNI to run it. AVX-VNNI (vpdpbusd on ymm) would slot in the same way. */
+
+/* Rows [0, R) of x times one 16-bit panel: the fp32 tile with a conversion after each load. */
+static inline __attribute__((always_inline)) AVX2 void half_tile(const float *restrict x,
+                                                                 const uint16_t *restrict panel, float *restrict out,
+                                                                 int64_t k, int64_t out_stride, const int R,
+                                                                 const int bf16, const int once) {
+    __m256 acc[R][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            acc[r][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        const uint16_t *row = panel + i * LLMC_PANEL;
+        if (once)
+            PREFETCH_ONCE((const uint8_t *)row + HALF_AHEAD);
+        else
+            PREFETCH((const uint8_t *)row + HALF_AHEAD);
+        __m256 xb[R];
+        for (int r = 0; r < R; r++)
+            xb[r] = _mm256_broadcast_ss(x + r * k + i);
+        for (int j = 0; j < 4; j++) {
+            __m128i h = _mm_loadu_si128((const __m128i *)(row + 8 * j));
+            __m256 w = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+            for (int r = 0; r < R; r++)
+                acc[r][j] = _mm256_fmadd_ps(xb[r], w, acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_ps(out + r * out_stride + 8 * j, acc[r][j]);
+}
+
+#define HALF_ROWS 3
+#define HALF_PANELS(NAME, BF16)                                                                           \
+    static AVX2 void NAME(const float *x, const uint16_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t p0, \
+                          int64_t p1) {                                                                   \
+        float tail[HALF_ROWS * LLMC_PANEL];                                                               \
+        const int once = m <= HALF_ROWS;                                                                  \
+        for (int64_t p = p0; p < p1; p++) {                                                               \
+            const uint16_t *panel = w + p * k * LLMC_PANEL;                                               \
+            int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;            \
+            for (int64_t r = 0; r < m;) {                                                                 \
+                int64_t rows = m - r >= 3 ? 3 : (m - r >= 2 ? 2 : 1);                                     \
+                float *out = width == LLMC_PANEL ? y + r * n + col : tail;                                \
+                int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;                                    \
+                if (rows == 3)                                                                            \
+                    half_tile(x + r * k, panel, out, k, stride, 3, BF16, once);                           \
+                else if (rows == 2)                                                                       \
+                    half_tile(x + r * k, panel, out, k, stride, 2, BF16, once);                           \
+                else                                                                                      \
+                    half_tile(x + r * k, panel, out, k, stride, 1, BF16, once);                           \
+                if (width != LLMC_PANEL)                                                                  \
+                    for (int64_t i = 0; i < rows; i++)                                                    \
+                        memcpy(y + (r + i) * n + col, tail + i * LLMC_PANEL, (size_t)width * sizeof(float)); \
+                r += rows;                                                                                \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+HALF_PANELS(bf16_panels, 1)
+HALF_PANELS(fp16_panels, 0)
+#else
+#define HAVE_AVX2_PATH 0
+static int llmc_avx2(void) { return 0; }
+#endif
+
+/* -- entry points ------------------------------------------------------------------------------ */
+
+void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int bits, int zero_points,
+                       int64_t p0, int64_t p1) {
+#if HAVE_AVX2_PATH
+    if (llmc_avx2()) {
+        if (bits == 4)
+            (zero_points ? int4_asym : int4_sym)(a, w, y, n, p0, p1);
+        else
+            (zero_points ? int8_asym : int8_sym)(a, w, y, n, p0, p1);
+        return;
+    }
+#endif
+    float tail[LLMC_PANEL];
+    const int64_t bytes = (a->k / a->block) * llmc_quant_block_bytes(bits, a->block, zero_points);
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;
+        for (int64_t r = 0; r < a->m; r++) {
+            quant_panel_plain(a, w + p * bytes, tail, LLMC_PANEL, r, 1, bits, zero_points);
+            memcpy(y + r * n + col, tail, (size_t)width * sizeof(float));
+        }
+    }
+}
+
+void llmc_linear_16bit(const float *x, const uint16_t *w, float *y, int64_t m, int64_t k, int64_t n, int bf16,
+                       int64_t p0, int64_t p1) {
+#if HAVE_AVX2_PATH
+    if (llmc_avx2()) {
+        (bf16 ? bf16_panels : fp16_panels)(x, w, y, m, k, n, p0, p1);
+        return;
+    }
+#endif
+    float tail[LLMC_PANEL];
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;
+        for (int64_t r = 0; r < m; r++) {
+            half_panel_plain(x + r * k, w + p * k * LLMC_PANEL, tail, LLMC_PANEL, k, 1, bf16);
+            memcpy(y + r * n + col, tail, (size_t)width * sizeof(float));
+        }
+    }
+}
+
+int llmc_quant_fast_path(void) { return llmc_avx2(); }

@@ -1,0 +1,270 @@
+"""The packed-GEMM ops over quantized (int8/int4 blockwise) and 16-bit (bf16/fp16) weights, in real
+ONNX Runtime sessions, against llmc/plugins/cpu/quant.py's numpy reference of the kernel's
+arithmetic (activations quantized per row and block, integer sums)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from conftest import needs_kernels
+from onnx import TensorProto, helper
+
+from llmc.plugins import cpu
+from llmc.plugins.cpu import pack_weight, quant
+
+pytestmark = needs_kernels
+F32 = TensorProto.FLOAT
+WEIGHT_TYPES = {"fp32": F32, "bf16": TensorProto.UINT16, "fp16": TensorProto.UINT16, "int8": TensorProto.UINT8,
+                "int4": TensorProto.UINT8}
+_SESSIONS: dict = {}
+
+
+def _session(op_type: str, inputs: list[str], outputs: list[str], weight: str = "fp32",
+             **attrs) -> ort.InferenceSession:
+    key = (op_type, tuple(inputs), weight, tuple(sorted(attrs.items())))
+    if key in _SESSIONS:
+        return _SESSIONS[key]
+    types = {"w": WEIGHT_TYPES[weight], "lossless": TensorProto.UINT8}
+    node = helper.make_node(op_type, inputs, outputs, domain=cpu.DOMAIN, **attrs)
+    graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info(n, types.get(n, F32), None)
+                                                 for n in inputs if n],
+                              [helper.make_tensor_value_info(n, F32, None) for n in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid(cpu.DOMAIN, cpu.VERSION)])
+    model.ir_version = 10
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    cpu.register(opts)
+    _SESSIONS[key] = sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return sess
+
+
+def _quantized(rng, k: int, n: int, bits: int, block: int, asymmetric: bool):
+    """Random integers over the whole range (the extremes included) and float16-exact scales."""
+    if asymmetric:
+        top = 255 if bits == 8 else 15
+        q = rng.integers(0, top + 1, (k, n)).astype(np.uint8)
+        zp = rng.integers(0, top + 1, (k // block, n)).astype(np.uint8)
+        q[0, 0], q[1, 0] = 0, top
+    else:
+        low, high = (-128, 127) if bits == 8 else (-8, 7)
+        q = rng.integers(low, high + 1, (k, n)).astype(np.int8)
+        q[0, 0], q[1, 0] = low, high
+        zp = None
+    scale = (rng.uniform(0.5, 2.0, (k // block, n)) * 0.01).astype(np.float16).astype(np.float32)
+    return q, scale, zp
+
+
+def _attrs(fmt: str, block: int, zp) -> dict:
+    attrs = {"weight_format": quant.WEIGHT_FORMATS[fmt]}
+    if fmt in ("int8", "int4"):
+        attrs |= {"block_size": block, "zero_points": int(zp is not None)}
+    return attrs
+
+
+def _tolerance(x, q, scale, zp, block):
+    """Float32 rounding of the accumulation: rtol 1e-4 of sum |x| |w| per output."""
+    w = q.astype(np.float64) - (0 if zp is None else np.repeat(zp.astype(np.float64), block, 0))
+    w *= np.repeat(scale.astype(np.float64), block, 0)
+    return 1e-4 * (np.abs(x.reshape(-1, q.shape[0])) @ np.abs(w)) + 1e-6
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["sym", "asym"])
+@pytest.mark.parametrize("block", [32, 64, 128])
+def test_quantized_matmul_matches_the_reference(bits, asymmetric, block):
+    """Every row count the tiles split differently (1, 2-row tiles, odd rest, prefill), and a
+    partial last panel (n = 70)."""
+    rng = np.random.default_rng(bits * 1000 + block + asymmetric)
+    k, n = 2 * block if block < 128 else 128, 70
+    q, scale, zp = _quantized(rng, k, n, bits, block, asymmetric)
+    blob = quant.pack_quantized(q, scale, zp, bits, block)
+    assert blob.dtype == np.uint8 and blob.size == quant.quantized_bytes(k, n, bits, block, asymmetric)
+    fmt = f"int{bits}"
+    sess = _session("PackedMatMul", ["x", "w"], ["y"], fmt, n=n, **_attrs(fmt, block, zp))
+    for rows in (1, 3, 8, 13, 128):
+        x = rng.standard_normal((1, rows, k), dtype=np.float32)
+        x[0, 0, :block] = 0.0  # a zero block: sx = 0
+        x[0, -1, 3] = 40.0     # an outlier
+        y, = sess.run(None, {"x": x, "w": blob})
+        ref = quant.reference(x, q, scale, zp, bits, block)
+        assert y.shape == (1, rows, n)
+        err = np.abs(y.reshape(rows, n) - ref.reshape(rows, n))
+        assert (err <= _tolerance(x, q, scale, zp, block)).all(), (rows, err.max())
+
+
+def test_the_reference_is_close_to_the_float_product():
+    """Sanity of the contract: activation quantization costs ~1% of the float product, not more."""
+    rng = np.random.default_rng(0)
+    q, scale, zp = _quantized(rng, 256, 64, 4, 32, True)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    w = (q.astype(np.float32) - np.repeat(zp, 32, 0)) * np.repeat(scale, 32, 0)
+    exact = x @ w
+    assert np.abs(quant.reference(x, q, scale, zp, 4, 32) - exact).max() < 0.02 * np.abs(exact).max()
+
+
+def test_int4_symmetric_is_4_5_bits_a_weight():
+    assert quant.quantized_bytes(576, 960, 4, 32, False) * 8 / (576 * 960) == 4.5
+    assert quant.quantized_bytes(576, 960, 4, 32, False) <= 0.3 * 576 * 960 * 4
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13])
+def test_16bit_matmul_matches_numpy(fmt, rows):
+    rng = np.random.default_rng(rows)
+    k, n = 40, 70
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    x = rng.standard_normal((1, rows, k), dtype=np.float32)
+    packed = quant.pack_16bit(w, fmt)
+    assert packed.dtype == np.uint16 and packed.shape == (3, k, 32)
+    rounded = quant.from_16bit(quant.to_16bit(w, fmt), fmt)
+    sess = _session("PackedMatMul", ["x", "w"], ["y"], fmt, n=n, weight_format=quant.WEIGHT_FORMATS[fmt])
+    y, = sess.run(None, {"x": x, "w": packed})
+    np.testing.assert_allclose(y, x @ rounded, rtol=1e-5, atol=1e-4)
+    with pytest.raises(Exception, match="16-bit weight must be uint16"):
+        sess.run(None, {"x": x, "w": packed[:2].copy()})
+
+
+def test_bf16_rounds_to_nearest_even():
+    w = np.array([1.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -8 + 2 ** -20, -2.5, np.inf], np.float32)
+    back = quant.from_16bit(quant.to_16bit(w, "bf16"), "bf16")
+    np.testing.assert_array_equal(back, [1.0, 1.0, 1.0 + 4 * 2 ** -8, 1.0 + 2 ** -7, -2.5, np.inf])
+    assert np.isnan(quant.from_16bit(quant.to_16bit(np.array([np.nan], np.float32), "bf16"), "bf16")).all()
+
+
+OPS = {  # op -> (its inputs, its outputs, the width of its `x` per K)
+    "SkipRMSNormMatMul": (["x", "skip", "gamma", "w"], ["y", "sum"], 1),
+    "SwiGLUMatMul": (["x", "w"], ["y"], 2),
+}
+
+
+def _fused_rows(op: str, feeds: dict, k: int) -> np.ndarray:
+    """What the fused op feeds its product: the normed residual sum, or silu(gate) * up."""
+    if op == "SkipRMSNormMatMul":
+        total = feeds["x"] + feeds["skip"]
+        rms = np.sqrt((total.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5)
+        return (total / rms * feeds["gamma"]).astype(np.float32)
+    gate, up = feeds["x"][..., :k].astype(np.float64), feeds["x"][..., k:]
+    return (gate / (1 + np.exp(-gate)) * up).astype(np.float32)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
+@pytest.mark.parametrize("rows", [1, 13])
+def test_fused_ops_take_every_format(op, fmt, rows):
+    rng = np.random.default_rng(rows)
+    k, n, block = 64, 70, 32
+    names, outputs, width = OPS[op]
+    feeds = {"x": rng.standard_normal((1, rows, width * k), dtype=np.float32),
+             "skip": rng.standard_normal((1, rows, k), dtype=np.float32),
+             "gamma": rng.standard_normal(k, dtype=np.float32)}
+    h = _fused_rows(op, feeds, k)
+    if fmt == "bf16":
+        w = rng.standard_normal((k, n), dtype=np.float32)
+        feeds["w"], ref, tol = quant.pack_16bit(w, fmt), h @ quant.from_16bit(quant.to_16bit(w, fmt), fmt), 1e-4
+        attrs = _attrs(fmt, block, None)
+    else:
+        bits = int(fmt[3:])
+        q, scale, zp = _quantized(rng, k, n, bits, block, asymmetric=rows > 1)
+        feeds["w"], ref = quant.pack_quantized(q, scale, zp, bits, block), quant.reference(h, q, scale, zp, bits, block)
+        # the fused rows differ from numpy's in the last bits, which may move an activation's rounding
+        w = (q.astype(np.float32) - (0 if zp is None else np.repeat(zp, block, 0))) * np.repeat(scale, block, 0)
+        tol = 2 * np.abs(h).max() / 127 * np.abs(w).max() + 1e-4 * (np.abs(h) @ np.abs(w)).max()
+        attrs = _attrs(fmt, block, zp)
+    attrs |= {"n": n} | ({"epsilon": 1e-5} if op == "SkipRMSNormMatMul" else {})
+    y = _session(op, names, outputs, fmt, **attrs).run(None, {i: feeds[i] for i in names})[0]
+    np.testing.assert_allclose(y, ref, rtol=0, atol=tol)
+
+
+def test_a_wrong_weight_gives_a_one_line_error():
+    rng = np.random.default_rng(0)
+    q, scale, _ = _quantized(rng, 64, 70, 4, 32, False)
+    blob = quant.pack_quantized(q, scale, None, 4, 32)
+    sess = _session("PackedMatMul", ["x", "w"], ["y"], "int4", n=70, weight_format=4, block_size=32, zero_points=0)
+    x = rng.standard_normal((1, 2, 64), dtype=np.float32)
+    for bad_x, bad_w in ((x, blob[:-1].copy()), (x[..., :32].copy(), blob)):
+        with pytest.raises(Exception, match=r"int4 weight must be a 1-D uint8 blob of \d+ bytes for K = ") as err:
+            sess.run(None, {"x": bad_x, "w": bad_w})
+        assert "\n" not in str(err.value).strip()
+    with pytest.raises(Exception, match="not a multiple of the weight's block_size"):
+        sess.run(None, {"x": x[..., :40].copy(), "w": blob})
+    # an fp32 weight where the node says int4: the type is checked too
+    fp32 = _session("PackedMatMul", ["x", "w"], ["y"], "fp32", n=70, weight_format=4, block_size=32, zero_points=0)
+    with pytest.raises(Exception, match="int4 weight must be"):
+        fp32.run(None, {"x": x, "w": pack_weight(q.astype(np.float32))})
+    with pytest.raises(Exception, match="block_size 32, 64 or 128"):
+        _session("PackedMatMul", ["x", "w"], ["y"], "int4", n=70, weight_format=4, block_size=48, zero_points=0)
+    with pytest.raises(Exception, match="weight_format must be"):
+        _session("PackedMatMul", ["x", "w"], ["y"], "int4", n=70, weight_format=7)
+
+
+def test_the_fp32_path_is_unchanged_by_the_attribute():
+    """weight_format 0 (explicit) is the fp32 panels, bit for bit the default."""
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((1, 5, 48), dtype=np.float32), rng.standard_normal((48, 70), dtype=np.float32)
+    y0, = _session("PackedMatMul", ["x", "w"], ["y"], n=70).run(None, {"x": x, "w": pack_weight(w)})
+    y1, = _session("PackedMatMul", ["x", "w"], ["y"], n=70, weight_format=0).run(None, {"x": x, "w": pack_weight(w)})
+    assert np.array_equal(y0, y1)
+    np.testing.assert_allclose(y0, x @ w, rtol=1e-5, atol=1e-5)
+
+
+PLAIN = """
+import numpy as np, onnxruntime as ort
+from onnx import TensorProto, helper
+from llmc.plugins import cpu
+from llmc.plugins.cpu import quant
+rng = np.random.default_rng(1)
+worst = 0.0
+for fmt, bits, zp_on, block in (("int4", 4, False, 32), ("int4", 4, True, 64), ("int8", 8, False, 128),
+                                ("int8", 8, True, 32)):
+    k, n = 128, 40
+    if zp_on:
+        q = rng.integers(0, 2 ** bits, (k, n)).astype(np.uint8)
+        zp = rng.integers(0, 2 ** bits, (k // block, n)).astype(np.uint8)
+    else:
+        q, zp = rng.integers(-2 ** (bits - 1), 2 ** (bits - 1), (k, n)).astype(np.int8), None
+    scale = (rng.uniform(0.5, 2, (k // block, n)) * 0.01).astype(np.float16).astype(np.float32)
+    node = helper.make_node("PackedMatMul", ["x", "w"], ["y"], domain=cpu.DOMAIN, n=n,
+                            weight_format=quant.WEIGHT_FORMATS[fmt], block_size=block, zero_points=int(zp_on))
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
+                                            helper.make_tensor_value_info("w", TensorProto.UINT8, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(cpu.DOMAIN, 1)])
+    model.ir_version = 10
+    opts = ort.SessionOptions()
+    cpu.register(opts)
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    y, = sess.run(None, {"x": x, "w": quant.pack_quantized(q, scale, zp, bits, block)})
+    ref = quant.reference(x, q, scale, zp, bits, block)
+    worst = max(worst, float(np.abs(y - ref).max() / np.abs(ref).max()))
+for fmt in ("bf16", "fp16"):
+    w = rng.standard_normal((24, 40)).astype(np.float32)
+    node = helper.make_node("PackedMatMul", ["x", "w"], ["y"], domain=cpu.DOMAIN, n=40,
+                            weight_format=quant.WEIGHT_FORMATS[fmt])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
+                                            helper.make_tensor_value_info("w", TensorProto.UINT16, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(cpu.DOMAIN, 1)])
+    model.ir_version = 10
+    opts = ort.SessionOptions()
+    cpu.register(opts)
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((2, 24)).astype(np.float32)
+    y, = sess.run(None, {"x": x, "w": quant.pack_16bit(w, fmt)})
+    ref = x @ quant.from_16bit(quant.to_16bit(w, fmt), fmt)
+    worst = max(worst, float(np.abs(y - ref).max() / np.abs(ref).max()))
+print(worst)
+"""
+
+
+def test_the_plain_c_path_matches_the_reference():
+    """LLMC_CPU_PLAIN=1 makes the library take its plain C path (for CPUs without AVX2)."""
+    env = dict(os.environ, LLMC_CPU_PLAIN="1")
+    out = subprocess.run([sys.executable, "-c", PLAIN], env=env, capture_output=True, text=True, check=True)
+    assert float(out.stdout.strip()) < 1e-5

@@ -1,0 +1,217 @@
+"""Weight quantization and 16-bit weights: the quantizers, the pass's canonical graph, engines
+built with --quant / --weight-dtype / --kv-cache-dtype, what they record and what they refuse."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from click.testing import CliRunner
+
+from conftest import needs_kernels
+from llmc.cli import main
+from llmc.contract import open_engine
+from llmc.contract.options import BuildOptions
+from llmc.errors import LlmcError
+from llmc.passes.quantizers import SYMMETRIC_RANGE, quantize, relative_error
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling import SamplingParams
+
+
+def _weight(rng, k=256, n=96):
+    w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
+    w[rng.random(w.shape) < 0.002] *= 10  # outliers, as trained weights have
+    return w
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_the_scale_search_beats_round_to_nearest(bits, symmetric):
+    w = _weight(np.random.default_rng(bits))
+    rtn = quantize(w, bits, 32, symmetric, "rtn")
+    searched = quantize(w, bits, 32, symmetric, "search")
+    assert relative_error(w, searched) < relative_error(w, rtn)
+    for q in (rtn, searched):
+        assert np.array_equal(q.scale, q.scale.astype(np.float16).astype(np.float32))  # stored as fp16
+        low, high = SYMMETRIC_RANGE[bits] if symmetric else (0, 2 ** bits - 1)
+        assert q.q.min() >= low and q.q.max() <= high
+        assert (q.zero_point is None) == symmetric
+
+
+def test_importance_moves_the_error_off_the_rows_that_matter():
+    rng = np.random.default_rng(0)
+    w = _weight(rng)
+    importance = np.ones(w.shape[0], np.float32)
+    importance[::8] = 100.0  # rows whose activations are large
+    plain = quantize(w, 4, 32, True, "search")
+    aware = quantize(w, 4, 32, True, "search", importance)
+
+    def weighted(q):
+        return float((importance[:, None] * (w - q.dequantize()) ** 2).sum())
+
+    assert weighted(aware) < weighted(plain)
+
+
+def test_an_all_zero_block_stays_zero():
+    w = np.zeros((64, 8), np.float32)
+    w[32:] = 0.5
+    q = quantize(w, 4, 32, True, "search")
+    assert np.all(q.dequantize()[:32] == 0) and np.all(np.isfinite(q.dequantize()))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(quant="int3"), "--quant must be one of none, int8, int4"),
+    (dict(quant="int4", quant_block_size=48), "--quant-block-size must be one of 32, 64, 128"),
+    (dict(kv_cache_dtype="int2"), "--kv-cache-dtype must be one of fp32, fp16, bf16, int8"),
+    (dict(weight_dtype="int8"), "--weight-dtype must be one of fp32, bf16, fp16"),
+    (dict(quant="int4", quant_method="gptq"), "--quant-method must be one of rtn, search, awq"),
+    (dict(quant="int8", calibrate="x.txt"), "--calibrate is read by --quant-method awq only"),
+    (dict(quant="int4", embedding="int4"), "--embedding must be one of auto, fp32, bf16, fp16, int8"),
+])
+def test_bad_quantization_options_are_one_line_errors(options, message):
+    with pytest.raises(LlmcError, match=message):
+        BuildOptions(**options)
+
+
+def test_the_roles_take_their_formats():
+    int4 = BuildOptions(quant="int4")
+    assert (int4.format_of("body"), int4.format_of("lm_head"), int4.format_of("embedding")) == ("int4", "int8", "int8")
+    bf16 = BuildOptions(weight_dtype="bf16")
+    assert {bf16.format_of(r) for r in ("body", "lm_head", "embedding")} == {"bf16"}
+    mixed = BuildOptions(quant="int4", lm_head="int4", embedding="fp32")
+    assert (mixed.format_of("lm_head"), mixed.format_of("embedding")) == ("int4", "fp32")
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--quant", "int4", "--quant-block-size", "128"],
+     "--quant-block-size 128 does not divide the model's hidden size (64); use 32 or 64"),
+    (["--quant", "int4", "--quant-method", "awq", "--calibrate", "/nope.txt"],
+     "--calibrate /nope.txt: no such file; give a text file (UTF-8)"),
+    (["--kv-cache-dtype", "int8", "--disable-pass", "cpu-kernels"],
+     "--kv-cache-dtype int8 needs the cpu-kernels pass; do not disable it, or drop --kv-cache-dtype"),
+])
+def test_options_the_model_cannot_honour_are_refused_before_export(tmp_path, flags, line):
+    result = CliRunner().invoke(main, ["build", "tiny-llama", "-o", str(tmp_path / "e"), *flags])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == f"error: {line}"
+    assert "export" not in result.output and not (tmp_path / "e").exists()
+
+
+def test_the_canonical_graph_runs_in_onnx_runtime_with_dequantize_linear(hf_models):
+    """quantize-weights alone: standard ONNX any runtime can run, close to the fp32 graph at 8 bits."""
+    import onnxruntime as ort
+
+    from llmc.compiler.export import export_onnx
+    from llmc.compiler.frontend import model_spec_from_config, read_config
+    from llmc.passes.quantize_weights import QuantizeWeights, records_of
+
+    hf, folder = hf_models("tiny-llama")
+    spec = model_spec_from_config(read_config(folder))
+    model = export_onnx(hf, spec)
+    fp32 = ir.to_proto(model).SerializeToString()
+    result = QuantizeWeights(BuildOptions(quant="int8")).run(model, spec)
+    ops = [n.op_type for n in model.graph]
+    # 2 layers x 7 projections, the LM head; the embedding's Gather feeds one DequantizeLinear.
+    assert result.counts == {"quantize_matmul": 15, "quantize_embedding": 1}
+    assert ops.count("DequantizeLinear") == 16
+    records = records_of(model)
+    assert {r["role"] for r in records.values()} == {"body", "lm_head", "embedding"}
+    assert all(0 < r["relative_error"] < 0.02 for r in records.values())
+    feeds = {"input_ids": np.arange(3, 19, dtype=np.int64).reshape(2, 8),
+             "position_ids": np.tile(np.arange(8, dtype=np.int64), (2, 1))}
+    run = [ort.InferenceSession(m, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+           for m in (fp32, ir.to_proto(model).SerializeToString())]
+    # The weights differ by 0.5% (int8); this random model's logits by ~4% (bf16 weights, 0.17%
+    # off, move them ~0.9%). A wrong block axis or scale would be off by the logits' own size.
+    assert np.abs(run[0] - run[1]).mean() < 0.06 * np.abs(run[0]).mean()
+
+
+# -- engines -----------------------------------------------------------------------------------------
+
+
+def _greedy(engine, prompts, **options):
+    llm = LLM(engine, **options)
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+
+
+@needs_kernels
+@pytest.mark.parametrize("options", [dict(quant="int8"), dict(quant="int4", quant_symmetric=False),
+                                     dict(quant="int8", kv_cache_dtype="int8"),
+                                     dict(weight_dtype="bf16", kv_cache_dtype="fp16")],
+                         ids=["int8", "int4-asym", "int8-kv8", "bf16-kv16"])
+def test_quantized_engines_batch_chunk_and_preempt_like_running_alone(engines, options):
+    """Greedy outputs of a quantized engine under in-flight batching, chunked prefill and
+    preemption equal the same engine's one request at a time."""
+    engine = engines("tiny-llama", **options)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 1024, int(n)).tolist() for n in rng.integers(3, 60, 10)]
+    alone = [_greedy(engine, [p], enable_prefix_caching=False)[0] for p in prompts]
+    llm = LLM(engine, max_num_seqs=8, max_num_batched_tokens=24, chunk_size=16, kv_cache_blocks=30)
+    together = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    assert llm.scheduler.num_preemptions > 0
+    assert together == alone
+
+
+@needs_kernels
+def test_a_quantized_engine_records_what_it_stored(engines):
+    engine = engines("tiny-llama", quant="int4", kv_cache_dtype="int8")
+    manifest = open_engine(engine).manifest
+    q = manifest.quantization
+    assert (q.method, q.block_size, q.symmetric, q.scale_dtype) == ("search", 32, True, "float16")
+    assert q.formats == {"int4": 8, "int8": 2}  # 2 x (QKV, o, gate/up, down); the LM head and embedding at 8 bits
+    assert manifest.kv_cache.dtype == "int8"
+    assert manifest.build_options.quant == "int4"
+    report = json.loads((engine / "build_report.json").read_text())
+    assert len(report["quantized"]) == 10
+    assert "## Quantized weights" in (engine / "build_report.md").read_text()
+    text = CliRunner().invoke(main, ["inspect", str(engine)]).output
+    assert "Quantization" in text and "int4" in text and "KV cache" in text
+    fp32 = sum(f.bytes for f in open_engine(engines("tiny-llama")).manifest.files.values() if f.bytes > 10000)
+    quantized = sum(f.bytes for f in manifest.files.values() if f.bytes > 10000)
+    assert quantized < 0.3 * fp32
+
+
+@needs_kernels
+def test_an_int8_kv_cache_holds_more_blocks_in_the_same_bytes(engines):
+    fp32 = LLM(engines("tiny-llama"), kv_cache_bytes=1 << 20)
+    int8 = LLM(engines("tiny-llama", quant="int8", kv_cache_dtype="int8"), kv_cache_bytes=1 << 20)
+    assert int8.engine.num_blocks > 3 * fp32.engine.num_blocks
+
+
+def test_without_llmc_kernels_onnx_runtime_runs_the_quantized_graph_as_matmul_nbits(tmp_path, monkeypatch):
+    """Where the kernel library is not built, the engine keeps DequantizeLinear -> MatMul and ONNX
+    Runtime fuses each into its own MatMulNBits when it loads the graph."""
+    import onnx
+    import onnxruntime as ort
+
+    from llmc.compiler.build import build
+    from llmc.plugins import cpu
+
+    monkeypatch.setenv(cpu.LIBRARY_ENV, "")
+    engine = build("tiny-llama", tmp_path / "e", BuildOptions(block_size=4, max_context=64, quant="int4")).engine_dir
+    assert open_engine(engine).manifest.backend.custom_ops == ()
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(engine / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False).graph.node]
+    assert ops.count("MatMulNBits") == 9 and "DequantizeLinear" in ops  # the embedding's stays
+    assert len(_greedy(engine, [[5, 6, 7, 8]])[0]) == 12
+
+
+@needs_kernels
+def test_activation_aware_quantization_scales_the_norm_fed_projections(tmp_path):
+    from llmc.compiler.build import build
+    from llmc.bench import corpus
+
+    text = tmp_path / "calibration.txt"
+    text.write_text("\n".join(corpus.read(corpus.files("heldout")[:20])))
+    engine = build("tiny-llama", tmp_path / "e", BuildOptions(block_size=4, max_context=64, quant="int4",
+                                                             quant_method="awq", calibrate=str(text))).engine_dir
+    manifest = open_engine(engine).manifest
+    quantize = next(p for p in manifest.passes if p.name == "quantize-weights")
+    # QKV and gate/up of both layers and the LM head read a norm's output: scaled; o and down are not.
+    assert quantize.counts["quantize_matmul_scaled"] == 5 and quantize.counts["quantize_matmul"] == 4
+    assert manifest.quantization.calibration == str(text)
+    assert len(_greedy(engine, [[5, 6, 7, 8]])[0]) == 12
