@@ -21,16 +21,25 @@ pytestmark = needs_kernels
 F32, I32 = TensorProto.FLOAT, TensorProto.INT32
 
 
-def _session(op_type: str, inputs: list[str], outputs: list[str], **attrs) -> ort.InferenceSession:
-    types = {"past": I32, "qlen": I32, "tables": I32, "lossless": TensorProto.UINT8}  # the rest: float32
+# Input names the tests give their non-float32 inputs; any other name is float32.
+INPUT_TYPES = {"past": I32, "qlen": I32, "tables": I32, "lossless": TensorProto.UINT8}
+
+
+def _session(op_type: str, inputs: list[str], outputs: list[str], types: dict[str, int] | None = None,
+             threads: int | None = None, **attrs) -> ort.InferenceSession:
+    """One llmc.cpu node in a session; `types` gives element types (TensorProto) by input or output
+    name beyond INPUT_TYPES (the rest float32)."""
+    types = {**INPUT_TYPES, **(types or {})}
     node = helper.make_node(op_type, inputs, outputs, domain=cpu.DOMAIN, **attrs)
     graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info(n, types.get(n, F32), None)
                                                  for n in inputs if n],
-                              [helper.make_tensor_value_info(n, F32, None) for n in outputs])
+                              [helper.make_tensor_value_info(n, types.get(n, F32), None) for n in outputs])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid(cpu.DOMAIN, cpu.VERSION)])
     model.ir_version = 10
     opts = ort.SessionOptions()
+    if threads is not None:
+        opts.intra_op_num_threads = threads
     cpu.register(opts)
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
@@ -82,8 +91,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_paged_attention_kernel_matches_the_reference(case):
+def attention_case(case: dict) -> dict:
+    """The inputs of one PagedAttention step for a CASES entry (defaults filled in): the node's
+    input names and attributes, the feeds but the pool, the pool token-major ("cache") and the
+    reference's per-head Q/K/V, rotated ("heads")."""
     c = dict(seq=5, past=(0, 7, 3), qlen=(5, 1, 3), heads=6, kv_heads=2, head_dim=16, block=4, packed=True,
              rotary=-1, interleaved=0, window=0, softcap=0.0) | case
     rng = np.random.default_rng(0)
@@ -97,24 +108,33 @@ def test_paged_attention_kernel_matches_the_reference(case):
     cache = rng.standard_normal((2, num_blocks, bs, hkv, d), dtype=np.float32)
     angles = (past[:, None] + np.arange(seq))[..., None] / 10000 ** (np.arange(rot // 2) / max(rot // 2, 1))
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
     names = ["q", "k", "v"] if not c["packed"] else ["q", "", ""]
     names += ["cache", "past", "qlen", "tables"] + (["cos", "sin"] if rot else [])
-    sess = _session("PagedAttention", names, ["out", "cache_out"], num_heads=h, num_kv_heads=hkv, scale=0.3,
-                    sliding_window=c["window"], softcap=c["softcap"], rotary_interleaved=c["interleaved"])
+    attrs = {"num_heads": h, "num_kv_heads": hkv, "scale": 0.3, "sliding_window": c["window"],
+             "softcap": c["softcap"]}
+    feeds = {"q": np.concatenate([q, k, v], -1) if c["packed"] else q, "k": k, "v": v, "past": past, "qlen": qlen,
+             "tables": tables, "cos": cos, "sin": sin}
+    heads = [x.reshape(batch, seq, n, d).transpose(0, 2, 1, 3) for x, n in ((q, h), (k, hkv), (v, hkv))]
+    if rot:
+        heads[0], heads[1] = (_rotate(x, cos, sin, c["interleaved"]) for x in heads[:2])
+    return dict(c=c, names=names, attrs=attrs, feeds=feeds, cache=cache, heads=heads)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_paged_attention_kernel_matches_the_reference(case):
+    a = attention_case(case)
+    c, names, feeds, cache, heads = a["c"], a["names"], a["feeds"], a["cache"], a["heads"]
+    batch, seq, h, d = len(c["past"]), c["seq"], c["heads"], c["head_dim"]
+    past, qlen, tables = feeds["past"], feeds["qlen"], feeds["tables"]
+    sess = _session("PagedAttention", names, ["out", "cache_out"], **a["attrs"], rotary_interleaved=c["interleaved"])
     pool = kv_layout.from_token_major(cache, kv_layout.HEAD_MAJOR)  # the kernel's own layout
-    feeds = {"q": np.concatenate([q, k, v], -1) if c["packed"] else q, "k": k, "v": v, "cache": pool,
-             "past": past, "qlen": qlen, "tables": tables, "cos": cos, "sin": sin}
+    feeds = {**feeds, "cache": pool}
     kept = pool.copy()
     out, cache_out = sess.run(None, {n: feeds[n] for n in names if n})
     np.testing.assert_array_equal(pool, kept)  # not aliased: the kernel wrote a copy, not its input
     cache_out = kv_layout.to_token_major(cache_out, kv_layout.HEAD_MAJOR)
 
-    heads = [x.reshape(batch, seq, n, d).transpose(0, 2, 1, 3) for x, n in ((q, h), (k, hkv), (v, hkv))]
-    if rot:
-        heads[0], heads[1] = (_rotate(x, cos, sin, c["interleaved"]) for x in heads[:2])
-    ref_out, ref_cache = pa.reference(*heads, cache, past, qlen, tables, num_heads=h, num_kv_heads=hkv, scale=0.3,
-                                      sliding_window=c["window"], softcap=c["softcap"])
+    ref_out, ref_cache = pa.reference(*heads, cache, past, qlen, tables, **a["attrs"])
     ref_out = ref_out.transpose(0, 2, 1, 3).reshape(batch, seq, h * d)
     valid = np.arange(seq)[None] < qlen[:, None]
     np.testing.assert_allclose(out[valid], ref_out[valid], atol=1e-5, rtol=0)

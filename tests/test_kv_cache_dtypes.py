@@ -8,7 +8,8 @@ import onnxruntime as ort
 import pytest
 from conftest import needs_kernels
 from onnx import TensorProto, helper
-from test_cpu_kernels import CASES, _rotate
+from test_cpu_kernels import CASES, attention_case
+from test_cpu_kernels import _session as kernel_session
 
 from llmc.contract import kv_layout
 from llmc.plugins import cpu
@@ -28,19 +29,8 @@ ODD_TILES = {"seq": 4, "past": (5, 0), "qlen": (4, 3), "heads": 4, "kv_heads": 2
 
 def _session(names: list[str], dtype: str, **attrs) -> ort.InferenceSession:
     """One PagedAttention node whose pool input and output are of `dtype`."""
-    types = {"past": TensorProto.INT32, "qlen": TensorProto.INT32, "tables": TensorProto.INT32,
-             "cache": kv_layout.ELEMENT_TYPES[dtype]}
-    node = helper.make_node("PagedAttention", names, ["out", "cache_out"], domain=cpu.DOMAIN, **attrs)
-    graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT),
-                                                                               None) for n in names if n],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None),
-                               helper.make_tensor_value_info("cache_out", types["cache"], None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(cpu.DOMAIN, cpu.VERSION)])
-    model.ir_version = 10
-    opts = ort.SessionOptions()
-    cpu.register(opts)
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    pool = kv_layout.ELEMENT_TYPES[dtype]
+    return kernel_session("PagedAttention", names, ["out", "cache_out"], {"cache": pool, "cache_out": pool}, **attrs)
 
 
 def _value(array: np.ndarray, dtype: str) -> ort.OrtValue:
@@ -49,31 +39,10 @@ def _value(array: np.ndarray, dtype: str) -> ort.OrtValue:
 
 
 def _setup(case: dict, dtype: str):
-    c = {"seq": 5, "past": (0, 7, 3), "qlen": (5, 1, 3), "heads": 6, "kv_heads": 2, "head_dim": 16, "block": 4,
-         "packed": True, "rotary": -1, "interleaved": 0, "window": 0, "softcap": 0.0} | case
-    rng = np.random.default_rng(0)
-    batch, seq, h, hkv, d, bs = len(c["past"]), c["seq"], c["heads"], c["kv_heads"], c["head_dim"], c["block"]
-    rot = d if c["rotary"] < 0 else c["rotary"]
-    past, qlen = np.array(c["past"], np.int32), np.array(c["qlen"], np.int32)
-    width = int((past + seq).max() // bs + 1)
-    num_blocks = 1 + batch * width + 3
-    tables = rng.permutation(np.arange(1, num_blocks))[:batch * width].reshape(batch, width).astype(np.int32)
-    q, k, v = (rng.standard_normal((batch, seq, n * d), dtype=np.float32) for n in (h, hkv, hkv))
-    cache = rng.standard_normal((2, num_blocks, bs, hkv, d), dtype=np.float32)
-    angles = (past[:, None] + np.arange(seq))[..., None] / 10000 ** (np.arange(rot // 2) / max(rot // 2, 1))
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    names = ["q", "k", "v"] if not c["packed"] else ["q", "", ""]
-    names += ["cache", "past", "qlen", "tables"] + (["cos", "sin"] if rot else [])
-    attrs = {"num_heads": h, "num_kv_heads": hkv, "scale": 0.3, "sliding_window": c["window"],
-             "softcap": c["softcap"]}
-    sess = _session(names, dtype, **attrs, rotary_interleaved=c["interleaved"])
-    pool = kv_layout.from_token_major(cache, HEAD_MAJOR, dtype)
-    feeds = {"q": np.concatenate([q, k, v], -1) if c["packed"] else q, "k": k, "v": v, "past": past, "qlen": qlen,
-             "tables": tables, "cos": cos, "sin": sin}
-    heads = [x.reshape(batch, seq, n, d).transpose(0, 2, 1, 3) for x, n in ((q, h), (k, hkv), (v, hkv))]
-    if rot:
-        heads[0], heads[1] = (_rotate(x, cos, sin, c["interleaved"]) for x in heads[:2])
-    return c, sess, names, feeds, pool, heads, attrs
+    a = attention_case(case)
+    sess = _session(a["names"], dtype, **a["attrs"], rotary_interleaved=a["c"]["interleaved"])
+    pool = kv_layout.from_token_major(a["cache"], HEAD_MAJOR, dtype)
+    return a["c"], sess, a["names"], a["feeds"], pool, a["heads"], a["attrs"]
 
 
 def _run(sess, names, feeds, pool, dtype):

@@ -12,9 +12,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from conftest import needs_kernels
-from onnx import TensorProto, helper
+from onnx import TensorProto
+from test_cpu_kernels import _session as kernel_session
 
-from llmc.plugins import cpu
 from llmc.plugins.cpu import pack_weight, quant
 
 pytestmark = needs_kernels
@@ -27,21 +27,9 @@ _SESSIONS: dict = {}
 def _session(op_type: str, inputs: list[str], outputs: list[str], weight: str = "fp32",
              **attrs) -> ort.InferenceSession:
     key = (op_type, tuple(inputs), weight, tuple(sorted(attrs.items())))
-    if key in _SESSIONS:
-        return _SESSIONS[key]
-    types = {"w": WEIGHT_TYPES[weight], "lossless": TensorProto.UINT8}
-    node = helper.make_node(op_type, inputs, outputs, domain=cpu.DOMAIN, **attrs)
-    graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info(n, types.get(n, F32), None)
-                                                 for n in inputs if n],
-                              [helper.make_tensor_value_info(n, F32, None) for n in outputs])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(cpu.DOMAIN, cpu.VERSION)])
-    model.ir_version = 10
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
-    cpu.register(opts)
-    _SESSIONS[key] = sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return sess
+    if key not in _SESSIONS:
+        _SESSIONS[key] = kernel_session(op_type, inputs, outputs, {"w": WEIGHT_TYPES[weight]}, threads=2, **attrs)
+    return _SESSIONS[key]
 
 
 def _quantized(rng, k: int, n: int, bits: int, block: int, asymmetric: bool):
