@@ -61,11 +61,8 @@ class _Quantizer:
         return quantize(w, QUANT_BITS[fmt], o.quant_block_size, o.quant_symmetric, method, importance)
 
     def record(self, name: str, role: str, fmt: str, w: np.ndarray, stored: np.ndarray | QuantizedWeight) -> None:
-        restored = stored.astype(np.float32) if isinstance(stored, np.ndarray) else stored.dequantize()
-        norm = float(np.linalg.norm(w))
-        error = relative_error(w, stored) if isinstance(stored, QuantizedWeight) else \
-            (float(np.linalg.norm(w - restored)) / norm if norm else 0.0)
-        self.records[name] = {"role": role, "format": fmt, "shape": list(w.shape), "relative_error": error}
+        self.records[name] = {"role": role, "format": fmt, "shape": list(w.shape),
+                              "relative_error": relative_error(w, stored)}
 
 
 def _int_initializer(op, q: QuantizedWeight, name: str):
@@ -158,25 +155,13 @@ class ScaledQuantizeMatMul(QuantizeMatMul):
                 best = (error, s, q, alpha)
         _, s, q, alpha = best
         name = f"{m.root.name}.weight"
-        self.quantizer.record(name, role, fmt, w, _Unscaled(q, s))
+        self.quantizer.record(name, role, fmt, w, q.dequantize() / s[:, None])  # as the scaled graph computes
         op.count(f"awq_alpha_{alpha:g}")
         gamma = op.initializer((weight(m.gamma) / s).astype(np.float32), f"{m.gamma.name}.awq.{m.root.name}")
         normed = op.like(m.norm, m.x, gamma)
         normed.shape, normed.type = m.norm.outputs[0].shape, m.norm.outputs[0].type  # later rules read them
         dq = op.DequantizeLinear(*_int_initializer(op, q, name), axis=0, block_size=q.block_size)
         return op.MatMul(normed, dq)
-
-
-class _Unscaled(QuantizedWeight):
-    """A scaled weight's quantization, dequantized back to the original weight's scale (for its
-    error figure)."""
-
-    def __init__(self, q: QuantizedWeight, s: np.ndarray):
-        super().__init__(q.q, q.scale, q.zero_point, q.bits, q.block_size)
-        self.s = s
-
-    def dequantize(self) -> np.ndarray:
-        return (super().dequantize() / self.s[:, None]).astype(np.float32)
 
 
 class QuantizeEmbedding(Rule):

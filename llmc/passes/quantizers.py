@@ -62,10 +62,12 @@ def quantize(w: np.ndarray, bits: int, block_size: int, symmetric: bool = True, 
     return QuantizedWeight(q.reshape(k, n).astype(dtype), scale[:, 0, :], zero_point, bits, block_size)
 
 
-def relative_error(w: np.ndarray, quantized: QuantizedWeight) -> float:
-    """||w - dequantized|| / ||w||: the per-tensor figure the build report lists."""
+def relative_error(w: np.ndarray, stored: np.ndarray | QuantizedWeight) -> float:
+    """||w - stored|| / ||w||, `stored` as the weight it reads back as (or a quantization of w): the
+    per-tensor figure the build report lists."""
+    restored = stored.dequantize() if isinstance(stored, QuantizedWeight) else stored.astype(np.float32)
     norm = float(np.linalg.norm(w))
-    return float(np.linalg.norm(w - quantized.dequantize())) / norm if norm else 0.0
+    return float(np.linalg.norm(w - restored)) / norm if norm else 0.0
 
 
 # -- helpers: blocks are [K / B, B, N]; per-block values [K / B, 1, N] ------------------------------
