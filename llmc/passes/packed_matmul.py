@@ -19,13 +19,14 @@ DequantizeLinear(q, scale[, zero_point]))` -> PackedMatMul over llmc's blockwise
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from llmc.contract.model_spec import ModelSpec
 from llmc.contract.options import QUANT_BLOCK_SIZES
 from llmc.passes.cpu_kernels import kernel_library_missing
 from llmc.passes.graph import weight
+from llmc.passes.quantize_weights import INT_TYPES
+from llmc.passes.quantize_weights import SIXTEEN_BIT as STORED_16BIT
 from llmc.passes.rewrite import Rule, RulePass
 from llmc.plugins import cpu
 from llmc.plugins.cpu import quant
@@ -53,9 +54,10 @@ class PackedMatMul(Rule):
         return op.PackedMatMul(m.x, packed, domain=cpu.DOMAIN, n=w.shape[1])
 
 
-# What an initializer's numpy dtype says about the format of a weight DequantizeLinear or Cast reads.
-BITS = {np.dtype(ml_dtypes.int4): 4, np.dtype(ml_dtypes.uint4): 4, np.dtype(np.int8): 8, np.dtype(np.uint8): 8}
-SIXTEEN_BIT = {np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float16): "fp16"}
+# What an initializer's numpy dtype says about the format of a weight DequantizeLinear or Cast
+# reads: the inverse of the types quantize-weights stores them in.
+BITS = {np.dtype(kind): bits for (bits, _), kind in INT_TYPES.items()}
+SIXTEEN_BIT = {np.dtype(kind): name for name, kind in STORED_16BIT.items()}
 
 
 class QuantizedPackedMatMul(Rule):
