@@ -24,7 +24,7 @@ from llmc.contract.engine_dir import EngineWriter
 from llmc.contract.manifest import (Backend, KVCache, Manifest, PassRecord, Payload, Quantization, QuantizedTensor,
                                    Source)
 from llmc.contract.model_spec import ModelSpec
-from llmc.contract.options import QUANT_BITS, BuildOptions
+from llmc.contract.options import QUANT_BITS, QUANT_BLOCK_SIZES, WEIGHT_ROLES, BuildOptions
 from llmc.errors import LlmcError
 
 MODEL_FILE = "model.onnx"
@@ -204,11 +204,10 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
 def _check_quantization(options: BuildOptions, spec: ModelSpec, passes) -> None:
     """Options the model or this install cannot honour, before the minutes of export."""
     block = options.quant_block_size
-    roles = {"the projections": "body", "--lm-head": "lm_head", "--embedding": "embedding"}
-    if any(options.format_of(role) in QUANT_BITS for role in roles.values()):
+    if any(options.format_of(role) in QUANT_BITS for role in WEIGHT_ROLES):
         for what, size in (("hidden size", spec.hidden_size), ("intermediate size", spec.intermediate_size)):
             if size % block:
-                fits = [str(b) for b in (32, 64, 128) if spec.hidden_size % b == 0 and spec.intermediate_size % b == 0]
+                fits = [str(b) for b in QUANT_BLOCK_SIZES if spec.hidden_size % b == 0 and spec.intermediate_size % b == 0]
                 raise LlmcError(f"--quant-block-size {block} does not divide the model's {what} ({size}); "
                                 f"use {' or '.join(fits) if fits else 'no integer quantization for this model'}")
     if options.calibrate is not None and not Path(options.calibrate).is_file():

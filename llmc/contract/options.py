@@ -34,6 +34,7 @@ QUANT_BITS = {"int8": 8, "int4": 4}
 QUANT_METHODS = ("rtn", "search", "awq")  # round to nearest; data-free scale search; activation-aware
 QUANT_BLOCK_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("fp32", "fp16", "bf16", "int8")
+WEIGHT_ROLES = ("body", "lm_head", "embedding")  # the projections, the LM head, the embedding table
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,10 @@ class BuildOptions:
     @property
     def reduces_weights(self) -> bool:
         """Whether any weight is stored in fewer than 32 bits (the quantize phase runs)."""
-        return any(self.format_of(role) != "fp32" for role in ("body", "lm_head", "embedding"))
+        return any(self.format_of(role) != "fp32" for role in WEIGHT_ROLES)
 
     def format_of(self, role: str) -> str:
-        """What a weight of `role` ("body", "lm_head", "embedding") is stored as."""
+        """What a weight of `role` (WEIGHT_ROLES) is stored as."""
         body = self.quant if self.quant != "none" else self.weight_dtype
         if role == "body":
             return body

@@ -62,36 +62,31 @@ def _kv_dtype(model: ir.Model) -> str:
 
 def _run(sess, feeds: dict) -> dict[str, np.ndarray]:
     """The session's outputs for `feeds`, through IOBinding so pools of any dtype (bfloat16 has
-    no numpy type ORT converts) go in and come back as arrays of the pool's storage type."""
+    no numpy type ORT converts) go in, and come back as new arrays of the pool's type."""
     import onnxruntime as ort
 
+    def bound(pool: np.ndarray):
+        dtype = next(d for d in kv_layout.KV_DTYPES if kv_layout.numpy_dtype(d) == pool.dtype)
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(*kv_layout.ort_value_args(pool, dtype))
+
     binding = sess.io_binding()
-    cache_types = {}
-    for arg in sess.get_inputs():
-        value = feeds[arg.name]
-        if io.is_cache(arg.name):
-            dtype = next(d for d, code in kv_layout.ELEMENT_TYPES.items() if arg.type == _ORT_TYPE_NAMES[code])
-            cache_types[arg.name] = (value, dtype)
-            binding.bind_ortvalue_input(arg.name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                *kv_layout.ort_value_args(value, dtype)))
+    names = [arg.name for arg in sess.get_inputs()]
+    for name in names:
+        if io.is_cache(name):
+            binding.bind_ortvalue_input(name, bound(feeds[name]))
         else:
-            binding.bind_cpu_input(arg.name, np.ascontiguousarray(value))
-    fresh = {}
-    for arg in sess.get_outputs():
-        source = arg.name.replace("kv_cache_out", "kv_cache") if io.is_cache(arg.name) else None
-        if source in cache_types:
-            pool, dtype = cache_types[source]
-            fresh[arg.name] = np.empty_like(pool)
-            binding.bind_ortvalue_output(arg.name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                *kv_layout.ort_value_args(fresh[arg.name], dtype)))
+            binding.bind_cpu_input(name, np.ascontiguousarray(feeds[name]))
+    written = {cache_out: np.empty_like(feeds[cache_in])
+               for cache_in, cache_out in io.caches(sum(map(io.is_cache, names)))}
+    outputs = [arg.name for arg in sess.get_outputs()]
+    for name in outputs:
+        if name in written:
+            binding.bind_ortvalue_output(name, bound(written[name]))
         else:
-            binding.bind_output(arg.name)
+            binding.bind_output(name)
     sess.run_with_iobinding(binding)
-    values = dict(zip([o.name for o in sess.get_outputs()], binding.get_outputs()))
-    return {name: fresh[name] if name in fresh else value.numpy() for name, value in values.items()}
-
-
-_ORT_TYPE_NAMES = {1: "tensor(float)", 10: "tensor(float16)", 16: "tensor(bfloat16)", 3: "tensor(int8)"}
+    return {name: written[name] if name in written else value.numpy()
+            for name, value in zip(outputs, binding.get_outputs())}
 
 
 def _chosen(logits: np.ndarray, feeds: dict) -> np.ndarray:
