@@ -125,15 +125,21 @@ def build(model, output, block_size, max_context, disable_passes, list_passes, v
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (for benchmarks).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--speculative", default=None,
+              help="Speculative decoding: ngram (prompt lookup) or a draft engine's directory.")
+@click.option("--num-speculative-tokens", type=int, default=None,
+              help="Most tokens proposed per request and step [default: tuning.json, else 4].")
 @click.option("--no-tuning", is_flag=True, help="Ignore the engine's tuning.json (written by `llmc tune`).")
-def run(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, threads, no_tuning):
+def run(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, threads, speculative,
+        num_speculative_tokens, no_tuning):
     """Stream a completion of PROMPT from ENGINE."""
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, stop=tuple(stop), ignore_eos=ignore_eos)
-    llm = LLM(engine, num_threads=threads, use_tuning=not no_tuning)
+    llm = LLM(engine, num_threads=threads, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+              use_tuning=not no_tuning)
     if llm.tuning is not None:
         from llmc.contract.tuning import tuning_line
 
@@ -157,8 +163,12 @@ def summary_line(output) -> str:
         return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
     rate = f"{1 / m.tpot:.1f} tok/s" if m.tpot else "n/a"  # decode rate: one token per TPOT
-    return (f"[{n} tokens, {output.finish_reason}] TTFT {ms(m.ttft)} · TPOT {ms(m.tpot)} · "
+    line = (f"[{n} tokens, {output.finish_reason}] TTFT {ms(m.ttft)} · TPOT {ms(m.tpot)} · "
             f"decode {rate} · E2E {ms(m.e2e)}")
+    if m.proposed_tokens:
+        line += (f" · accepted {m.accepted_tokens}/{m.proposed_tokens} proposals ({m.acceptance_rate:.0%}), "
+                 f"{m.tokens_per_step:.2f} tokens/step")
+    return line
 
 
 def _workload_options(num_requests: int, prompt_len: str, output_len: str, qps: str, repeats: int):
@@ -211,14 +221,19 @@ def _workload_options(num_requests: int, prompt_len: str, output_len: str, qps: 
               help="Tokens per step [default: tuning.json, else 512].")
 @click.option("--chunk-size", type=int, default=None,
               help="Longest prefill chunk per request per step [default: tuning.json, else 256].")
+@click.option("--speculative", default=None,
+              help="Speculative decoding: ngram (prompt lookup) or a draft engine's directory.")
+@click.option("--num-speculative-tokens", type=int, default=None,
+              help="Most tokens proposed per request and step [default: tuning.json, else 4].")
 @click.option("--no-tuning", is_flag=True, help="Ignore the engines' tuning.json.")
-def bench(engines, workload, output, no_plots, threads, max_num_seqs, max_num_batched_tokens, chunk_size, no_tuning):
+def bench(engines, workload, output, no_plots, threads, max_num_seqs, max_num_batched_tokens, chunk_size,
+          speculative, num_speculative_tokens, no_tuning):
     """Measure TTFT, TPOT, ITL, E2E, throughput and goodput of ENGINE, or of two engines side by side
     (runs interleaved); writes report.json, report.md and PNG plots."""
     from llmc.bench.commands import bench as run_bench
 
     runtime = dict(num_threads=threads, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                   chunk_size=chunk_size)
+                   chunk_size=chunk_size, speculative=speculative, num_speculative_tokens=num_speculative_tokens)
     run_bench(list(engines), workload, output, not no_plots, runtime, use_tuning=not no_tuning)
 
 

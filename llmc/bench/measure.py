@@ -45,6 +45,9 @@ def runtime_space(defaults: RuntimeOptions, max_in_flight: int) -> list[Knob]:
         Knob("allow_spinning", (True, False)),
         Knob("graph_optimization_level", tuple(dict.fromkeys(("basic", "extended", "all",
                                                               defaults.graph_optimization_level)))),
+        # Speculation off, prompt lookup, or the draft engine the caller named (never guessed).
+        Knob("speculative", tuple(dict.fromkeys((None, "ngram", defaults.speculative)))),
+        Knob("num_speculative_tokens", _around(defaults.num_speculative_tokens, (2, 4, 8))),
     ]
 
 

@@ -71,6 +71,8 @@ def table_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     with_slo = bool(report["slo"])
     headers = ["qps"] + (["engine"] if several else []) + ["req/s", "out tok/s"] + (["goodput"] if with_slo else [])
     headers += [f"{title} {p}" for _, title in TABLE_LATENCIES for p in ("p50", "p99")]
+    speculating = any((r["summary"].get("speculation") or {}).get("proposed_tokens") for r in report["results"])
+    headers += ["accepted", "tok/step"] if speculating else []
     rows = []
     for result in report["results"]:
         s = result["summary"]
@@ -79,6 +81,10 @@ def table_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         if with_slo:
             row.append(f"{s['goodput']:.2f} ({s['slo_attainment']:.0%})")
         row += [_ms(_pct(s, key, p)) for key, _ in TABLE_LATENCIES for p in ("p50", "p99")]
+        if speculating:
+            spec = s.get("speculation") or {}
+            rate, per_step = spec.get("acceptance_rate"), spec.get("tokens_per_step")
+            row += ["–" if rate is None else f"{rate:.0%}", "–" if per_step is None else f"{per_step:.2f}"]
         rows.append(row)
     return headers, rows
 
@@ -181,7 +187,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Definitions", "",
               "TTFT = first token − arrival; TPOT = (E2E − TTFT) / (output tokens − 1); ITL = each gap between "
               "consecutive tokens (percentiles over all gaps); E2E = last token − arrival; throughput = output "
-              "tokens / wall time (run start to last token). Percentiles interpolate linearly.", ""]
+              "tokens / wall time (run start to last token). Percentiles interpolate linearly. With speculative "
+              "decoding: accepted = proposals the target kept / proposals verified; tok/step = output tokens after "
+              "the first / decode steps.", ""]
     return "\n".join(lines)
 
 

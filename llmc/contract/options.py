@@ -112,6 +112,11 @@ class RuntimeOptions:
     allow_spinning: bool = _tunable(True)
     graph_optimization_level: str = _tunable("all")
     verify_checksums: bool = True  # hash the engine's files when loading it
+    speculative: str | None = _tunable(None)  # "ngram" (prompt lookup) or a draft engine's directory
+    num_speculative_tokens: int = _tunable(4)  # most tokens proposed per request and step
+    prompt_lookup_min: int = 1  # shortest n-gram "ngram" matches
+    prompt_lookup_max: int = 3  # longest n-gram "ngram" matches (tried first)
+    speculative_adaptive: bool = True  # per-request lengths and on/off from acceptance and step times
 
     def __post_init__(self):
         for name in self.names():
@@ -119,6 +124,9 @@ class RuntimeOptions:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise LlmcError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                             f"({self.max_num_seqs}) so every running request can decode each step")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise LlmcError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                            f"({self.prompt_lookup_max})")
         if self.chunk_size > self.max_num_batched_tokens:
             raise LlmcError(f"chunk_size ({self.chunk_size}) must be <= max_num_batched_tokens "
                             f"({self.max_num_batched_tokens})")
@@ -137,6 +145,8 @@ class RuntimeOptions:
                 raise LlmcError(f"{name} must be an integer >= {low}{limit} (got {value!r})")
         if kind == "bool" and not isinstance(value, bool):
             raise LlmcError(f"{name} must be True or False (got {value!r})")
+        if name == "speculative" and not (isinstance(value, str) and value):
+            raise LlmcError(f"speculative must be 'ngram' or a draft engine's directory (got {value!r})")
         if name == "graph_optimization_level" and not (isinstance(value, str) and value in GRAPH_OPTIMIZATION_LEVELS):
             raise LlmcError(f"graph_optimization_level must be one of {', '.join(GRAPH_OPTIMIZATION_LEVELS)} "
                             f"(got {value!r})")
@@ -184,6 +194,9 @@ class RuntimeOptions:
 _TYPES = {f.name: f.type for f in dataclasses.fields(RuntimeOptions)}  # annotations, as text
 
 
+SPECULATIVE_LIMITS = {"num_speculative_tokens": 16, "prompt_lookup_min": 8, "prompt_lookup_max": 8}
+
+
 def _int_range(name: str) -> tuple[int, int | None, str]:
     """(lowest, highest or None, what the highest is) of an integer option, on this machine."""
     if name == "num_threads":
@@ -195,6 +208,8 @@ def _int_range(name: str) -> tuple[int, int | None, str]:
 
         total = psutil.virtual_memory().total
         return 1, total, f", this machine's memory ({total / 2**30:.1f} GiB)"
+    if name in SPECULATIVE_LIMITS:
+        return 1, SPECULATIVE_LIMITS[name], ""
     if name == "kv_cache_blocks":
         return 2, None, ""  # a block's bytes come with the engine, which checks the pool fits in memory
     return 1, MAX_NUM_SEQS if name == "max_num_seqs" else MAX_STEP_TOKENS, ""

@@ -181,6 +181,34 @@ class _StepBuffers:
     last_of_row: np.ndarray  # b*S - 1 per row: + query_lens is each row's last valid token
 
 
+@dataclass
+class Row:
+    """One row of a step: the tokens it computes, the tokens already in its cache, its block
+    table, and the position its padding slots carry (default: its last new token's)."""
+    tokens: list[int]
+    past: int
+    block_table: list[int]
+    pad_position: int | None = None
+
+
+def pack(rows: list[Row], seq: int | None = None):
+    """The step inputs (input_ids, position_ids, past_lens, query_lens, block_tables) of rows,
+    padded to the longest row (or to `seq`)."""
+    seq = max(len(r.tokens) for r in rows) if seq is None else seq
+    batch = len(rows)
+    input_ids = np.zeros((batch, seq), np.int64)
+    past_lens = np.array([r.past for r in rows], np.int32)
+    query_lens = np.array([len(r.tokens) for r in rows], np.int32)
+    tables = np.full((batch, max(len(r.block_table) for r in rows)), io.SCRATCH_BLOCK, np.int32)  # a short row's tail reads nothing
+    position_ids = past_lens[:, None].astype(np.int64) + np.arange(seq)[None, :]
+    for i, r in enumerate(rows):
+        n = len(r.tokens)
+        input_ids[i, :n] = r.tokens
+        tables[i, :len(r.block_table)] = r.block_table
+        position_ids[i, n:] = r.past + n - 1 if r.pad_position is None else r.pad_position
+    return input_ids, position_ids, past_lens, query_lens, tables
+
+
 def _checked_indices(indices, batch: int, seq: int) -> np.ndarray:
     """`indices` as a 1-D integer array inside the step's [batch*seq] token grid, else a
     RequestError: ONNX Runtime would fail with a multi-line Gather error (or wrap a negative one)."""

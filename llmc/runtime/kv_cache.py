@@ -9,9 +9,9 @@ handed out.
 
 A sequence (anything with `token_ids`, `block_table`, `num_computed_tokens`,
 `num_hashed_blocks`, `cache_salt`) meets the manager
-through four verbs: `allocate_prefix` (take cached blocks for its prompt), `can_append` /
+through five verbs: `allocate_prefix` (take cached blocks for its prompt), `can_append` /
 `append` (grow its table to cover tokens it is about to compute), `commit` (hash blocks that
-have become full) and `free`.
+have become full), `truncate` (give back the tail a rejected speculation used) and `free`.
 """
 
 from __future__ import annotations
@@ -148,16 +148,22 @@ class BlockManager:
     def free(self, seq) -> None:
         """Drop the sequence's references; unreferenced blocks keep their contents for reuse.
         Tail blocks are freed first so they are evicted before the prefix they extend."""
-        for bid in reversed(seq.block_table):
+        self.truncate(seq, 0)
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    def truncate(self, seq, num_tokens: int) -> None:
+        """Give back the table's blocks past the first `num_tokens` positions (a rejected
+        speculation's); the sequence's computed tokens must already fit in what is left."""
+        keep = blocks_for(num_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            bid = seq.block_table.pop()
             block = self._blocks[bid]
             block.ref_count -= 1
             if block.ref_count == 0:
                 if not self.enable_prefix_caching:
                     block.hash = block.tokens = None
                 self._free[bid] = None
-        seq.block_table.clear()
-        seq.num_computed_tokens = 0
-        seq.num_hashed_blocks = 0
 
     # -- invariants (tests) -----------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """LLM: the user-facing engine loop over an artifact, with in-flight batching.
 
-One step = schedule -> run the backend -> sample -> append/stop/stream. Requests join and leave
-between steps. Rows with one token to compute (decodes) run in one call and prefill chunks in
-another: padding a decode row to a chunk's length would multiply its cost.
+One step = (propose) -> schedule -> run the backend -> sample or verify -> append/stop/stream.
+Requests join and leave between steps. Decoding rows (one pending token, plus any speculative
+proposal) run in one call and prefill chunks in another: padding a decode row to a chunk's length
+would multiply its cost.
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from llmc.contract.engine_dir import open_engine, read_eos_token_ids
-from llmc.contract.graph_io import SCRATCH_BLOCK
 from llmc.contract.options import RuntimeOptions
 from llmc.contract.tuning import read_tuning
 from llmc.errors import RequestError, first_line
-from llmc.runtime.engine import Engine
+from llmc.runtime.engine import Engine, Row, pack
 from llmc.runtime.kv_cache import BlockManager, blocks_for
 from llmc.runtime.request import Request, RequestOutput
-from llmc.runtime.sampling import Sampler, SamplingParams
+from llmc.runtime.sampling import Sampler, SamplingParams, verify
 from llmc.runtime.scheduler import Scheduler
+from llmc.runtime.speculative import make_speculator
 
 __all__ = ["LLM", "RequestOutput", "Stream"]
 
@@ -62,6 +63,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_file(str(files.tokenizer))
         self.eos_ids = self._eos_ids(files.generation_config)
         self.sampler = Sampler()
+        self.speculator = make_speculator(options, self.engine, files.tokenizer)
         self._requests: dict[str, Request] = {}
         self._next_order = 0
         self.computed_tokens = 0  # tokens run through the model (prefill + decode), all requests
@@ -94,7 +96,7 @@ class LLM:
         request = self._requests.pop(request_id, None)
         if request is None or request.finished:
             return False
-        self.scheduler.finish(request)
+        self._retire(request)
         request.out.finish_reason = "abort"
         return True
 
@@ -108,10 +110,12 @@ class LLM:
 
     def step(self) -> list[Request]:
         """Run one engine step; returns the requests that got a token (or finished) in it."""
+        if self.speculator is not None:
+            self._propose()
         scheduled = self.scheduler.schedule()
         updated: list[Request] = []
-        decodes = [(r, n) for r, n in scheduled if n == 1]
-        prefills = [(r, n) for r, n in scheduled if n > 1]
+        decodes = [(r, n) for r, n in scheduled if r.num_pending_tokens == 1]
+        prefills = [(r, n) for r, n in scheduled if r.num_pending_tokens > 1]
         for rows in (decodes, prefills):
             if not rows:
                 continue
@@ -122,14 +126,35 @@ class LLM:
                     r.out.finish_reason, r.out.error = "error", f"backend step failed: {first_line(exc)}"
                     if r not in updated:
                         updated.append(r)
+        if self.speculator is not None:
+            if decodes and not prefills:
+                self.speculator.step_done(len(decodes), max(n for _, n in decodes) - 1)
+            else:
+                self.speculator.cancel_timing()
         for r in updated:
             if r.out.finished:
-                self.scheduler.finish(r)
+                self._retire(r)
                 self._requests.pop(r.request_id, None)
             elif self._crosses_longrope_boundary(r):
                 self.scheduler.recompute(r)
                 r.cache_salt = self._rope_factors(r)
         return updated
+
+    def _propose(self) -> None:
+        """Proposals for the requests that decode next step (the scheduler trims what does not fit)."""
+        decoding = []
+        for r in self.scheduler.running:
+            r.proposal, r.proposal_probs = [], None
+            if r.num_pending_tokens == 1 and r.out.token_ids:
+                decoding.append(r)
+        if decoding:
+            self.speculator.propose(decoding, [min(r.params.max_tokens - len(r.out.token_ids),
+                                                   self.max_context - len(r.token_ids)) for r in decoding])
+
+    def _retire(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        if self.speculator is not None:
+            self.speculator.release(request)
 
     def _rope_factors(self, request: Request) -> int | None:
         """Which longrope factors rotate the request's cached keys (1: long, 0: short; None
@@ -251,18 +276,16 @@ class LLM:
         try:
             while not request.finished:
                 self.step()
-                piece = request.delta()
-                if piece:
-                    yield piece
-            piece = request.delta()
-            if piece:
-                yield piece
+                yield from request.deltas()
+            yield from request.deltas()
         finally:
             if not request.finished:
                 self.abort(request.request_id)
 
     def _run(self, rows: list[tuple[Request, int]]) -> list[Request]:
         feeds = self._pack(rows)
+        if any(r.proposal for r, _ in rows):
+            return self._run_speculative(rows, feeds)
         logits = self.engine.forward(*feeds)  # each row's last computed token
         done = []
         for i, (r, n) in enumerate(rows):
@@ -273,13 +296,60 @@ class LLM:
                 done.append(i)
         if not done:
             return []
-        sampled = [rows[i][0] for i in done]
         picked = logits if len(done) == len(rows) else logits[done]  # decode steps: every row, no copy
-        tokens = self.sampler.sample(picked, [r.params for r in sampled], [r.rng for r in sampled])
+        return self._sample([rows[i][0] for i in done], picked)
+
+    def _sample(self, requests: list[Request], logits: np.ndarray) -> list[Request]:
+        tokens = self.sampler.sample(logits, [r.params for r in requests], [r.rng for r in requests])
         now = time.perf_counter()
-        for r, token in zip(sampled, tokens):
+        for r, token in zip(requests, tokens):
+            if r.out.token_ids:
+                r.out.metrics.decode_steps += 1
             r.append(int(token), now, self.max_context)
-        return sampled
+        return requests
+
+    def _run_speculative(self, rows: list[tuple[Request, int]], feeds) -> list[Request]:
+        """A decode step where some rows verify proposals: logits at every position of those rows
+        (after the pending token and after each proposal), at the last of the others."""
+        seq = feeds[0].shape[1]
+        spans = [n if r.proposal else 1 for r, n in rows]
+        indices = np.concatenate([b * seq + (np.arange(n) if r.proposal else np.array([n - 1]))
+                                  for b, (r, n) in enumerate(rows)])
+        logits = self.engine.forward(*feeds, logits_indices=indices)
+        starts = np.cumsum([0] + spans)
+        plain, updated = [], []
+        for (r, n), start in zip(rows, starts):
+            self.computed_tokens += n
+            if r.proposal:
+                self._keep_verified(r, logits[start:start + n])
+                updated.append(r)
+            else:
+                r.num_computed_tokens += n
+                self.blocks.commit(r)
+                plain.append((r, start))
+        if plain:
+            updated += self._sample([r for r, _ in plain], logits[[start for _, start in plain]])
+        return updated
+
+    def _keep_verified(self, r: Request, logits: np.ndarray) -> None:
+        """Append what the target keeps of a row's proposal and roll its cache back to that."""
+        proposed = r.proposal
+        tokens = verify(logits, proposed, r.proposal_probs, r.params, r.rng)
+        r.proposal, r.proposal_probs = [], None
+        kept = len(tokens) - 1
+        metrics = r.out.metrics
+        metrics.decode_steps += 1
+        metrics.proposed_tokens += len(proposed)
+        metrics.accepted_tokens += kept
+        self.speculator.verified(r, len(proposed), kept)
+        computed = r.num_computed_tokens + 1 + kept  # the pending token and the kept proposals
+        for token in tokens:
+            r.append(token, time.perf_counter(), self.max_context)  # each token its own time: ITL per token
+            if r.out.finished:
+                break
+        r.num_computed_tokens = min(computed, len(r.token_ids))  # a stop inside the run ends it there
+        self.blocks.truncate(r, len(r.token_ids))  # blocks holding only rejected proposals go back
+        self.blocks.commit(r)
 
     def _pack(self, rows: list[tuple[Request, int]]):
         seq = max(n for _, n in rows)
@@ -288,15 +358,5 @@ class LLM:
         if self.engine.spec.longrope_boundary is not None and any(
                 n == seq and len(r.token_ids) > r.num_computed_tokens + n for r, n in rows):
             seq += 1
-        batch = len(rows)
-        input_ids = np.zeros((batch, seq), np.int64)
-        past_lens = np.array([r.num_computed_tokens for r, _ in rows], np.int32)
-        query_lens = np.array([n for _, n in rows], np.int32)
-        width = max(len(r.block_table) for r, _ in rows)
-        tables = np.full((batch, width), SCRATCH_BLOCK, np.int32)  # a short row's tail reads nothing
-        position_ids = past_lens[:, None].astype(np.int64) + np.arange(seq)[None, :]
-        for i, (r, n) in enumerate(rows):
-            input_ids[i, :n] = r.token_ids[r.num_computed_tokens:r.num_computed_tokens + n]
-            tables[i, :len(r.block_table)] = r.block_table
-            position_ids[i, n:] = len(r.token_ids) - 1
-        return input_ids, position_ids, past_lens, query_lens, tables
+        return pack([Row((r.token_ids[r.num_computed_tokens:] + r.proposal)[:n], r.num_computed_tokens,
+                         r.block_table, len(r.token_ids) - 1) for r, n in rows], seq)

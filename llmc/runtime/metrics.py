@@ -27,6 +27,18 @@ class RequestTimes:
     arrival: float
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
+    decode_steps: int = 0  # steps that gave tokens after the first (each may give several when speculating)
+    proposed_tokens: int = 0  # speculative proposals verified
+    accepted_tokens: int = 0  # of which the target kept
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Output tokens per decode step after the first token: 1 without speculation."""
+        return (self.num_tokens - 1) / self.decode_steps if self.decode_steps else None
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +93,11 @@ class RequestTimes:
             "ttft": self.ttft,
             "tpot": self.tpot,
             "e2e": self.e2e,
+            "decode_steps": self.decode_steps,
+            "proposed_tokens": self.proposed_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_step": self.tokens_per_step,
         }
 
 
@@ -104,6 +121,8 @@ def summarize_requests(times: Sequence[RequestTimes]) -> dict[str, Any]:
     tpot = [t.tpot for t in times if t.tpot is not None]
     queue = [t.queue_time for t in times if t.queue_time is not None]
     itl = [gap for t in times for gap in t.itl]
+    proposed, accepted = sum(t.proposed_tokens for t in times), sum(t.accepted_tokens for t in times)
+    steps = sum(t.decode_steps for t in times)
     return {
         "counts": {
             "requests": len(times),
@@ -117,6 +136,12 @@ def summarize_requests(times: Sequence[RequestTimes]) -> dict[str, Any]:
         "e2e": percentiles(e2e),
         "itl": percentiles(itl),
         "queue_time": percentiles(queue),
+        "speculation": {
+            "proposed_tokens": proposed,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "tokens_per_step": sum(max(t.num_tokens - 1, 0) for t in times) / steps if steps else None,
+        },
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from llmc.runtime.detokenize import IncrementalDetokenizer, find_stop, stop_holdback
@@ -60,7 +61,10 @@ class Request:
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         self.out = RequestOutput(request_id, prompt, list(prompt_ids),
                                  metrics=RequestTimes(arrival=time.perf_counter() if arrival is None else arrival))
+        self.proposal: list[int] = []  # speculative tokens to verify after the pending one (not in token_ids)
+        self.proposal_probs = None  # their proposer's distributions [k, V]; None: each was certain
         self._emitted = 0  # characters of text already streamed
+        self._token_ends: deque[int] = deque()  # len(out.text) after each token not yet streamed
         self._admitted = False
 
     @property
@@ -88,6 +92,7 @@ class Request:
             out.finish_reason = "stop"
             return
         out.text += self.detok.add(token)
+        self._token_ends.append(len(out.text))
         if self.params.stop:
             cut = find_stop(out.text, self.params.stop, max(0, len(out.text) - 64))
             if cut is not None:
@@ -98,9 +103,23 @@ class Request:
             out.text += self.detok.flush()
             out.finish_reason = "length"
 
-    def delta(self) -> str:
-        """Text not streamed yet, holding back what could still become a stop string."""
+    def deltas(self) -> list[str]:
+        """Text not streamed yet, one piece per token (a speculative step adds several), holding
+        back what could still become a stop string."""
         text = self.out.text
         end = len(text) if self.out.finished else len(text) - stop_holdback(text, self.params.stop)
-        piece, self._emitted = text[self._emitted:end], max(self._emitted, end)
-        return piece
+        pieces = []
+        while self._token_ends and self._token_ends[0] <= end:
+            cut = self._token_ends.popleft()
+            if cut > self._emitted:
+                pieces.append(text[self._emitted:cut])
+                self._emitted = cut
+        if end > self._emitted:  # held-back text released, or the flush at the end
+            pieces.append(text[self._emitted:end])
+            self._emitted = end
+        if self.out.finished:
+            self._token_ends.clear()
+        return pieces
+
+    def delta(self) -> str:
+        return "".join(self.deltas())

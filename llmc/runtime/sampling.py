@@ -16,7 +16,7 @@ import numpy as np
 
 from llmc.errors import RequestError
 
-__all__ = ["SamplingParams", "Sampler", "make_rng"]
+__all__ = ["SamplingParams", "Sampler", "distribution", "make_rng", "sample_from", "verify"]
 
 
 def _is_int(value: object) -> bool:
@@ -139,28 +139,87 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
         k *= 2
 
 
-def _sample_row(scaled: np.ndarray, top_k: int, top_p: float, rng: np.random.Generator) -> int:
-    """One token from temperature-scaled float64 logits, after top-k then top-p filtering."""
-    u = rng.random()  # drawn first and unconditionally: exactly one draw per row per step
+def _support(scaled: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray | None, np.ndarray]:
+    """(token ids, or None for the whole vocabulary; their unnormalized probabilities) of
+    temperature-scaled float64 logits after top-k then top-p filtering: the one definition of
+    the distribution a row samples from."""
     vocab = scaled.shape[0]
     ids = _top_k(scaled, top_k) if 0 < top_k < vocab else None
     vals = scaled if ids is None else scaled[ids]
-
     peak = vals.max()
     if not np.isfinite(peak):  # every token masked to -inf (or NaN logits): nothing to sample from
-        return int(np.argmax(scaled))
-    probs = np.exp(vals - peak)  # unnormalized: the draw below scales by the total instead
-
+        return np.array([int(np.argmax(scaled))]), np.ones(1)
+    probs = np.exp(vals - peak)
     if top_p < 1.0:
         probs /= probs.sum()
         keep = _nucleus(probs, top_p)
         ids = keep if ids is None else ids[keep]
         probs = probs[keep]
+    return ids, probs
 
+
+def _draw(ids: np.ndarray | None, probs: np.ndarray, u: float) -> int:
+    """The token at u in [0, 1) of the distribution's cumulative sum."""
     cdf = np.cumsum(probs)
     # side="right" never lands on a zero-probability token; min() guards float round-off at the top.
     pos = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(cdf) - 1)
     return int(pos if ids is None else ids[pos])
+
+
+def _sample_row(scaled: np.ndarray, top_k: int, top_p: float, rng: np.random.Generator) -> int:
+    """One token from temperature-scaled float64 logits, after top-k then top-p filtering."""
+    u = rng.random()  # drawn first and unconditionally: exactly one draw per row per step
+    return _draw(*_support(scaled, top_k, top_p), u)
+
+
+def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The dense float64 distribution [V] a sampled row draws its token from (params not greedy)."""
+    ids, probs = _support(logits.astype(np.float64) / params.temperature, params.top_k, params.top_p)
+    dense = np.zeros(logits.shape[0])
+    dense[slice(None) if ids is None else ids] = probs
+    return dense / dense.sum()
+
+
+def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
+    return _draw(None, probs, rng.random())
+
+
+def verify(logits: np.ndarray, proposed: Sequence[int], proposal_probs: np.ndarray | None,
+           params: SamplingParams, rng: np.random.Generator) -> list[int]:
+    """The tokens a row keeps from a verification step: the accepted prefix of `proposed`, then one
+    token of the target's own (the correction at the first rejection, or a bonus when all pass).
+
+    logits [k+1, V]: the target's logits after the row's last token and after each proposal.
+    Greedy rows accept while a proposal is the target's argmax, so the output is the one plain
+    decoding gives. Sampled rows accept proposal x with probability min(1, p(x)/q(x)) and on a
+    rejection draw from max(0, p - q) renormalized, which leaves the output distributed exactly
+    as the target's p (Leviathan et al., 2023). `proposal_probs` [k, V] is the proposer's q per
+    position; None means each proposal was certain (q = 1 at x: n-gram lookup, greedy drafts)."""
+    if params.greedy:
+        target = np.argmax(logits, axis=-1)
+        kept = []
+        for x, t in zip(proposed, target):
+            if x != t:
+                break
+            kept.append(int(x))
+        return kept + [int(target[len(kept)])]
+    kept = []
+    for j, x in enumerate(proposed):
+        p = distribution(logits[j], params)
+        q = None if proposal_probs is None else proposal_probs[j]
+        qx = 1.0 if q is None else q[x]
+        if rng.random() * qx < p[x]:  # u < p(x)/q(x), without dividing by a zero q(x)
+            kept.append(int(x))
+            continue
+        if q is None:
+            residual = p.copy()
+            residual[x] = 0.0
+        else:
+            residual = np.maximum(p - q, 0.0)
+        if residual.sum() <= 0.0:  # p == q exactly: any draw from p is right
+            residual = p
+        return kept + [sample_from(residual / residual.sum(), rng)]
+    return kept + [sample_from(distribution(logits[len(kept)], params), rng)]
 
 
 class Sampler:

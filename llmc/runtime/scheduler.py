@@ -6,6 +6,8 @@ everyone's next token), each taking at most `chunk_size` tokens of the step's
 `max_num_seqs` and free KV blocks allow. When a running request needs a block and none is free,
 the newest running request is preempted: its blocks are freed and it goes back to the front of
 the waiting queue, to be recomputed later (its cached prefix usually survives in the LRU pool).
+A decoding request with speculative proposals computes them too, as far as the budget and the
+free blocks reach.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Scheduler:
                 continue
             if not self._make_room(req, req.num_computed_tokens + n, step):
                 continue
+            n += self._room_for_proposal(req, n, budget - n)
             self.blocks.append(req, req.num_computed_tokens + n)
             step[req] = n
             budget = self.config.max_num_batched_tokens - sum(step.values())
@@ -65,6 +68,20 @@ class Scheduler:
             budget -= n
         return list(step.items())
 
+    def _room_for_proposal(self, req: Request, n: int, budget: int) -> int:
+        """How many of a decoding request's speculative tokens this step verifies: as many as the
+        budget and the free blocks allow (speculation never preempts anyone); the rest are dropped."""
+        if not req.proposal or req.num_pending_tokens != n:
+            req.proposal = []
+            return 0
+        k = min(len(req.proposal), budget)
+        while k and not self.blocks.can_append(req, req.num_computed_tokens + n + k):
+            k -= 1
+        del req.proposal[k:]
+        if req.proposal_probs is not None:
+            req.proposal_probs = req.proposal_probs[:k]
+        return k
+
     def _make_room(self, req: Request, num_tokens: int, step: dict[Request, int]) -> bool:
         """Preempt the newest running requests until `req` can grow; False if `req` itself went."""
         while not self.blocks.can_append(req, num_tokens):
@@ -84,6 +101,7 @@ class Scheduler:
         """Drop a running request's cache; it is computed again from its first token next."""
         self.blocks.free(req)
         self.running.remove(req)
+        req.proposal, req.proposal_probs = [], None
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 

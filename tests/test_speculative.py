@@ -1,0 +1,318 @@
+"""Speculative decoding: lossless against plain decoding, in flight, for both proposers."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+
+from llmc.errors import LlmcError
+from llmc.runtime.kv_cache import BlockManager
+from llmc.runtime.llm import LLM
+from llmc.runtime.request import Request
+from llmc.runtime.sampling import SamplingParams, distribution, sample_from, verify
+from llmc.runtime.speculative import NgramProposer
+
+SMALL = dict(max_num_seqs=8, max_num_batched_tokens=48, chunk_size=16)
+# code-small repeats itself after this prompt (it does not copy its input: docs/speculative.md),
+# so prompt lookup finds proposals it accepts.
+REPETITIVE = "        self.assertEqual("
+
+
+@pytest.fixture(scope="module")
+def code_engines(engines):
+    return engines("code-small"), engines("code-draft")
+
+
+def _mixed_workload(llm: LLM):
+    """24 requests over held-out-style code: shared prefixes (prefix hits), prompts longer than a
+    chunk, repetitive prompts (n-gram hits), exact max_tokens, stop tokens and stop strings."""
+    base = ("def read_config(path):\n    with open(path) as f:\n        return f.read()\n\n"
+            "def write_config(path, text):\n    with open(path, 'w') as f:\n        f.write(text)\n\n")
+    tails = ["def read_lines(path):\n", "class Config:\n    def __init__(self, path):\n", "import os\n\n",
+             "for i in range(10):\n    print(i)\n", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [", "if __name__ == '__main__':\n"]
+    rng = np.random.default_rng(0)
+    prompts, params = [], []
+    for i in range(24):
+        text = (base if i % 2 == 0 else "") + tails[i % len(tails)] * int(rng.integers(1, 4))
+        prompts.append(llm.encode(text))
+        params.append(SamplingParams(max_tokens=int(rng.integers(1, 40)), ignore_eos=i % 3 != 0))
+    return prompts, params
+
+
+def _with_stops(prompts, params, plain):
+    """Give some requests a stop string or stop token taken from the middle of their plain
+    output, so speculative runs must stop inside an accepted run exactly where plain ones do."""
+    out = list(params)
+    for i in range(0, len(params), 4):
+        text = plain[i].text
+        if len(text) > 12:
+            out[i] = SamplingParams(max_tokens=params[i].max_tokens, stop=text[len(text) // 2:len(text) // 2 + 3])
+    for i in range(2, len(params), 4):
+        ids = plain[i].token_ids
+        if len(ids) > 4:
+            out[i] = SamplingParams(max_tokens=params[i].max_tokens, stop_token_ids=[ids[len(ids) // 2]],
+                                    ignore_eos=True)
+    return out
+
+
+def _run_in_flight(llm: LLM, prompts, params):
+    outputs, pending, step = {}, list(range(len(prompts))), 0
+    while pending or llm.has_unfinished():
+        while pending and pending[0] <= 2 * step:  # arrivals spread over the first steps
+            i = pending.pop(0)
+            outputs[i] = llm.output(llm.add_request(prompts[i], params[i]))
+        llm.step()
+        step += 1
+        llm.blocks.check([r.block_table for r in llm.scheduler.running])
+    return [outputs[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_greedy_speculation_in_flight_matches_plain_decoding(code_engines, proposer):
+    target, draft = code_engines
+    spec = "ngram" if proposer == "ngram" else str(draft)
+    plain_llm = LLM(target, enable_prefix_caching=False)
+    prompts, params = _mixed_workload(plain_llm)
+    plain = [plain_llm.generate(p, sp) for p, sp in zip(prompts, params)]
+    params = _with_stops(prompts, params, plain)
+    plain = [plain_llm.generate(p, sp) for p, sp in zip(prompts, params)]
+    assert {o.finish_reason for o in plain} == {"stop", "length"}
+
+    # Not adaptive, so every step speculates; a pool small enough to preempt.
+    llm = LLM(target, speculative=spec, num_speculative_tokens=4, speculative_adaptive=False,
+              kv_cache_blocks=48, **SMALL)
+    outs = _run_in_flight(llm, prompts, params)
+    for i, (a, b) in enumerate(zip(plain, outs)):
+        assert b.token_ids == a.token_ids, i
+        assert (b.text, b.finish_reason) == (a.text, a.finish_reason), i
+    proposed = sum(o.metrics.proposed_tokens for o in outs)
+    accepted = sum(o.metrics.accepted_tokens for o in outs)
+    assert 0 < accepted < proposed  # both verification paths ran
+    assert llm.scheduler.num_preemptions > 0
+    assert any(o.prefix_hit_tokens > 0 for o in outs)
+    assert llm.blocks.num_free == llm.blocks.capacity  # rolled-back and finished blocks all returned
+    llm.blocks.check([])
+    if proposer == "draft":
+        blocks = llm.speculator.proposer.blocks
+        assert blocks.num_free == blocks.capacity
+
+
+def test_adaptive_speculation_matches_and_reports_metrics(code_engines):
+    target, draft = code_engines
+    llm = LLM(target, speculative="ngram", num_speculative_tokens=6)
+    plain = LLM(target)
+    prompt = llm.encode(REPETITIVE)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    a, b = plain.generate(prompt, params), llm.generate(prompt, params)
+    assert b.token_ids == a.token_ids
+    m = b.metrics
+    assert m.accepted_tokens > 0 and m.tokens_per_step > 1
+    assert m.acceptance_rate == m.accepted_tokens / m.proposed_tokens
+    assert m.to_dict()["tokens_per_step"] == m.tokens_per_step
+    assert len(m.token_times) == len(b.token_ids) and all(x <= y for x, y in zip(m.token_times, m.token_times[1:]))
+
+
+def test_stream_emits_each_accepted_token_as_its_own_delta(code_engines):
+    target, _ = code_engines
+    llm = LLM(target, speculative="ngram", num_speculative_tokens=6, speculative_adaptive=False)
+    stream = llm.stream(REPETITIVE, SamplingParams(max_tokens=60, ignore_eos=True))
+    pieces = list(stream)
+    out = stream.output
+    assert "".join(pieces) == out.text
+    assert out.metrics.tokens_per_step > 1.5
+    assert len(pieces) > out.metrics.decode_steps + 1  # more deltas than steps: one per token
+
+
+def test_seeded_sampling_with_speculation_runs_and_repeats(code_engines):
+    target, draft = code_engines
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    for spec in ("ngram", str(draft)):
+        llm = LLM(target, speculative=spec, speculative_adaptive=False)
+        first = llm.generate("def main():\n", params)
+        again = llm.generate("def main():\n", params)
+        assert first.token_ids == again.token_ids and len(first.token_ids) == 30
+        assert first.metrics.proposed_tokens > 0
+
+
+# -- the acceptance rule keeps the target's distribution -------------------------------------
+
+VOCAB = 6
+CHI2_999 = {5: 20.515}  # chi-square critical value at p = 0.001 for VOCAB - 1 degrees of freedom
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _first_token_counts(rule, proposal_probs: np.ndarray | None, trials: int = 12000) -> tuple[np.ndarray, np.ndarray]:
+    """Counts of the first kept token over many verifications of fresh proposals, and the
+    target's distribution they must follow."""
+    rng = np.random.default_rng(1)
+    logits = np.log(np.array([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04], [0.1, 0.1, 0.2, 0.2, 0.2, 0.2],
+                              [0.3, 0.3, 0.1, 0.1, 0.1, 0.1]]))
+    params = SamplingParams(temperature=1.0)
+    counts = np.zeros(VOCAB)
+    for _ in range(trials):
+        if proposal_probs is None:  # a certain proposal, as prompt lookup makes: always the same tokens
+            proposed, q = [4, 1], None
+        else:
+            proposed, q = [sample_from(proposal_probs[j], rng) for j in range(2)], proposal_probs
+        counts[rule(logits, proposed, q, params, rng)[0]] += 1
+    return counts, distribution(logits[0], params)
+
+
+def _wrong_rule(logits, proposed, q, params, rng):
+    """Accepts with min(1, p/q) but resamples a rejection from p itself instead of max(0, p - q)."""
+    kept = []
+    for j, x in enumerate(proposed):
+        p = distribution(logits[j], params)
+        qx = 1.0 if q is None else q[j][x]
+        if rng.random() * qx < p[x]:
+            kept.append(x)
+            continue
+        return kept + [sample_from(p, rng)]
+    return kept + [sample_from(distribution(logits[len(kept)], params), rng)]
+
+
+DRAFT_Q = np.array([[0.05, 0.05, 0.1, 0.1, 0.5, 0.2], [0.2, 0.5, 0.1, 0.1, 0.05, 0.05]])
+
+
+@pytest.mark.parametrize("q", [None, DRAFT_Q], ids=["certain-proposal", "draft-distribution"])
+def test_rejection_sampling_keeps_the_target_distribution(q):
+    counts, p = _first_token_counts(verify, q)
+    assert _chi2(counts, p) < CHI2_999[VOCAB - 1]
+
+
+@pytest.mark.parametrize("q", [None, DRAFT_Q], ids=["certain-proposal", "draft-distribution"])
+def test_a_wrong_acceptance_rule_fails_the_same_test(q):
+    counts, p = _first_token_counts(_wrong_rule, q)
+    assert _chi2(counts, p) > CHI2_999[VOCAB - 1]
+
+
+def test_bonus_token_follows_the_last_distribution_when_all_are_accepted():
+    rng = np.random.default_rng(3)
+    logits = np.log(np.array([[1e-9] * 5 + [1.0], [0.3, 0.2, 0.2, 0.1, 0.1, 0.1]]))
+    params = SamplingParams(temperature=1.0)
+    counts = np.zeros(VOCAB)
+    for _ in range(6000):
+        kept = verify(logits, [5], None, params, rng)
+        assert kept[0] == 5 and len(kept) == 2
+        counts[kept[1]] += 1
+    assert _chi2(counts, distribution(logits[1], params)) < CHI2_999[VOCAB - 1]
+
+
+def test_greedy_verification_keeps_the_argmax_prefix():
+    logits = np.eye(VOCAB)[[2, 3, 1, 0]] * 5.0  # argmaxes 2, 3, 1, 0
+    greedy = SamplingParams()
+    rng = np.random.default_rng(0)
+    assert verify(logits, [2, 3, 1], None, greedy, rng) == [2, 3, 1, 0]  # all kept, then the bonus
+    assert verify(logits, [2, 4, 1], None, greedy, rng) == [2, 3]  # corrected at the first miss
+    assert verify(logits[:1], [], None, greedy, rng) == [2]
+
+
+# -- pieces ----------------------------------------------------------------------------------
+
+class _Seq:
+    def __init__(self, ids):
+        self.request_id, self.token_ids = "r", list(ids)
+        self.proposal, self.proposal_probs = [], None
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    ngram = NgramProposer(1, 3)
+    seq = _Seq([5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 9, 5, 6, 7])
+    ngram.propose([seq], [3])
+    assert seq.proposal == [2, 3, 9]  # (5, 6, 7) last seen before position 9
+    seq.token_ids += [2, 3]
+    ngram.propose([seq], [4])  # the index grows with the sequence: (7, 2, 3) -> 9, 5, 6, 7
+    assert seq.proposal == [9, 5, 6, 7]
+    miss = _Seq([1, 2, 3, 4])
+    ngram.propose([miss], [4])
+    assert miss.proposal == []
+    ngram.propose([seq], [0])
+    assert seq.proposal == []
+
+
+def test_truncate_returns_the_blocks_a_rejected_proposal_used():
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    seq = _Seq(range(6))
+    seq.block_table, seq.num_computed_tokens, seq.num_hashed_blocks, seq.cache_salt = [], 0, 0, None
+    blocks.append(seq, 14)  # 6 tokens + a proposal reaching position 13: 4 blocks
+    assert len(seq.block_table) == 4 and blocks.num_free == 5
+    blocks.truncate(seq, 7)
+    assert len(seq.block_table) == 2 and blocks.num_free == 7
+    blocks.check([seq.block_table])
+
+
+def test_request_deltas_come_one_per_token():
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(97 + i) for i in ids)
+
+    r = Request("r", 0, None, [0], SamplingParams(max_tokens=10), Tok(), frozenset())
+    for t in (1, 2, 3):
+        r.append(t, 0.0, 100)
+    assert r.deltas() == ["b", "c", "d"]
+    assert r.deltas() == []
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(speculative="nonsense"), "ngram' or a draft engine directory"),
+    (dict(speculative=""), "speculative must be"),
+    (dict(speculative="ngram", num_speculative_tokens=0), "num_speculative_tokens must be an integer >= 1"),
+    (dict(speculative="ngram", num_speculative_tokens=99), "<= 16"),
+    (dict(speculative="ngram", prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min"),
+])
+def test_bad_speculative_options_are_one_line(code_engines, options, match):
+    target, _ = code_engines
+    with pytest.raises(LlmcError, match=match) as info:
+        LLM(target, **options)
+    assert "\n" not in str(info.value)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(code_engines, engines, tmp_path):
+    target, draft = code_engines
+    other = tmp_path / "other-draft"
+    shutil.copytree(engines("tiny-llama"), other)
+    with pytest.raises(LlmcError, match="another tokenizer") as info:
+        LLM(target, speculative=str(other))
+    assert "\n" not in str(info.value)
+
+
+def test_speculation_never_makes_a_stream_of_misses_slower_in_steps(code_engines):
+    """Random prompts: proposals rarely land, and the adaptive rule must stop proposing (the
+    speed side of this is measured in benchmarks/speculative.py)."""
+    target, _ = code_engines
+    llm = LLM(target, speculative="ngram", num_speculative_tokens=4)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, llm.engine.spec.vocab_size, 100).tolist()
+    out = llm.generate(prompt, SamplingParams(max_tokens=100, ignore_eos=True))
+    m = out.metrics
+    assert not math.isnan(m.tokens_per_step) and m.tokens_per_step >= 1.0
+    assert m.proposed_tokens < 3 * len(out.token_ids)
+
+
+def test_sliding_window_model_speculates_losslessly(engines):
+    """tiny-mistral attends within a 16-token window: verified rows longer than one token must
+    see the same window per position as single-token steps do."""
+    engine = engines("tiny-mistral")
+    plain = LLM(engine)
+    rng = np.random.default_rng(2)
+    motif = rng.integers(3, plain.engine.spec.vocab_size, 6).tolist()
+    prompts = [motif * 5 + rng.integers(3, 200, 3).tolist(), rng.integers(3, 500, 30).tolist()]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(engine, speculative="ngram", speculative_adaptive=False, **SMALL)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.metrics.proposed_tokens for o in outs) > 0
+
+
+def test_longrope_models_refuse_speculation_in_one_line(engines):
+    with pytest.raises(LlmcError, match="longrope") as info:
+        LLM(engines("tiny-phi3-longrope"), speculative="ngram")
+    assert "\n" not in str(info.value)
