@@ -1,6 +1,7 @@
 """Peer comparison: llmc against llama.cpp and ONNX Runtime GenAI on the same model, in one run.
 
     python benchmarks/peers.py --setup [--bits B]       # peers' venv + conversions, then exit
+    python benchmarks/peers.py --model code-small --speculative [--spec-tokens 4]  # prompt lookup vs llama.cpp's
     python benchmarks/peers.py [--reps 5] [--lossless] [--no-fusions] [--ablate] [--llmc NAME=ENGINE_DIR ...]
                                [--llmc-src NAME=CHECKOUT_DIR ...] [--peers ""] [--bits fp32|bf16|int8|int4]
                                [--json OUT]
@@ -952,6 +953,81 @@ def measure(args, folder: Path, peers: list[str], python: Path | None, converted
     return not any(r.get("failed") for r in rows.values())
 
 
+def measure_speculative(args, folder: Path, python: Path, converted: dict, work: Path) -> bool:
+    """Prompt-lookup decoding, llmc's against llama.cpp's, on benchmarks/speculative.py's
+    input-grounded workload: each runtime with and without it, batch 1, interleaved; each one's
+    speed-up is over its own plain decoding."""
+    sys.path.insert(0, str(HERE))
+    from speculative import workloads
+
+    from llmc.runtime.llm import LLM
+
+    engines, build_failed = build_variants(args, work)
+    if build_failed:
+        raise SystemExit(f"error: {build_failed}")
+    engine = engines[0][1]
+    prompts = workloads(LLM(engine), args.spec_requests, args.prompt_len, 0)["grounded"]
+    n, k = args.new_tokens, args.spec_tokens
+    ctx = ["--ctx-per-seq", str(max(len(p) for p in prompts) + n + 64)]
+    gguf = str(converted[("llama.cpp", "f32")])
+    specs = {
+        "llmc": (Path(sys.executable), ["llmc", "--model", str(engine)], None),
+        "llmc ngram": (Path(sys.executable), ["llmc", "--model", str(engine), "--speculative", "ngram",
+                                              "--num-speculative-tokens", str(k)], None),
+        "llama.cpp": (python, ["llama.cpp-lookup", "--model", gguf, *ctx], _peer_env()),
+        f"llama.cpp lookup {k}": (python, ["llama.cpp-lookup", "--model", gguf, *ctx, "--lookup", str(k)],
+                                  _peer_env()),
+        "llama.cpp lookup 10": (python, ["llama.cpp-lookup", "--model", gguf, *ctx, "--lookup", "10"], _peer_env()),
+    }
+    workers = {}
+    try:
+        for name, (py, wargs, env) in specs.items():
+            print(f"load: {name}", flush=True)
+            workers[name] = Worker(name, py, [*wargs, "--threads", str(args.threads)], work / f"spec-{len(workers)}.log",
+                                   env)
+        names = list(workers)
+        tpot = {name: [] for name in names}
+        tokens = {name: [] for name in names}
+        extra = {name: [0, 0, 0] for name in names}  # llmc: proposed, accepted, decode steps
+        for prompt in prompts[:1]:  # warm-up
+            for w in workers.values():
+                w.call("latency", prompt=prompt, n=n)
+        for rep in range(args.reps):
+            for i, prompt in enumerate(prompts):
+                shift = (i + rep) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    time.sleep(PAUSE_S)
+                    out = workers[name].call("latency", prompt=prompt, n=n)
+                    tpot[name].append(out["tpot"])
+                    if rep == 0:
+                        tokens[name].append(out["tokens"])
+                    if "proposed" in out:
+                        extra[name][0] += out["proposed"]
+                        extra[name][1] += out["accepted"]
+                        extra[name][2] += out["steps"]
+    finally:
+        for w in workers.values():
+            w.close()
+
+    print(f"\nprompt-lookup decoding on {folder.name}: {len(prompts)} input-grounded prompts "
+          f"(benchmarks/speculative.py) of ~{args.prompt_len} tokens, {n} new, greedy, batch 1, "
+          f"{args.threads} threads, {args.reps} reps interleaved; TPOT mean ms; speed-up over the same "
+          "runtime without lookup")
+    print(f"{'runtime':>22} {'TPOT ms':>8} {'speed-up':>8} {'same tokens':>12} {'accept':>7} {'tok/step':>9}")
+    for name in names:
+        own = "llmc" if name.startswith("llmc") else "llama.cpp"
+        mean = statistics.mean(tpot[name])
+        same = sum(a == b for a, b in zip(tokens[name], tokens[own]))
+        p, a, st = extra[name]
+        accept = f"{a / p:.2f}" if p else "-"
+        per_step = f"{(len(prompts) * args.reps * (n - 1)) / st:.2f}" if st else "-"
+        print(f"{name:>22} {mean * 1e3:8.3f} {statistics.mean(tpot[own]) / mean:8.2f} "
+              f"{same:>5}/{len(prompts):<6} {accept:>7} {per_step:>9}")
+    agree = sum(a == b for a, b in zip(tokens["llmc"], tokens["llama.cpp"]))
+    print(f"llmc and llama.cpp give the same greedy tokens for {agree}/{len(prompts)} prompts")
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-shape", help="recipe name or local HF folder")
@@ -991,6 +1067,11 @@ def main() -> None:
                     help="ORT GenAI int4/int8 MatMulNBits accuracy_level: 4 = int8 activations (its CPU "
                          "default), 1 = fp32 activations")
     ap.add_argument("--json", type=Path, default=None, help="write the raw numbers here")
+    ap.add_argument("--speculative", action="store_true",
+                    help="instead: prompt-lookup decoding, llmc's ngram against llama.cpp's LlamaPromptLookupDecoding, "
+                         "on benchmarks/speculative.py's input-grounded workload (use --model code-small)")
+    ap.add_argument("--spec-tokens", type=int, default=4, help="--speculative: tokens proposed per step")
+    ap.add_argument("--spec-requests", type=int, default=8, help="--speculative: prompts")
     args = ap.parse_args()
 
     from llmc.compiler.recipes import is_recipe, materialize
@@ -1001,7 +1082,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"error: unknown peer {sorted(unknown)[0]!r}; peers are {', '.join(PEERS)}")
     try:
-        wanted = [(peer, variant) for _, peer, variant in peer_rows(args.bits, peers)]
+        wanted = ([("llama.cpp", "f32")] if args.speculative else
+                  [(peer, variant) for _, peer, variant in peer_rows(args.bits, peers)])
         python, converted = setup(args, folder, wanted) if (peers or args.setup) else (None, {})
     except SetupError as exc:
         raise SystemExit(f"error: {exc}") from None
@@ -1013,7 +1095,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="llmc-peers-"))
     ok = False
     try:
-        ok = measure(args, folder, peers, python, converted, work)
+        ok = (measure_speculative(args, folder, python, converted, work) if args.speculative
+              else measure(args, folder, peers, python, converted, work))
     finally:
         # Engines are big; the worker logs are kept only when something failed, since the
         # error lines point at them.

@@ -1,6 +1,6 @@
 """Worker side of benchmarks/peers.py: one runtime per process, driven over a JSON-lines pipe.
 
-    python benchmarks/peers_worker.py serve {llmc,llama.cpp,ort-genai,bandwidth} --model PATH --threads N
+    python benchmarks/peers_worker.py serve {llmc,llama.cpp,llama.cpp-lookup,ort-genai,bandwidth} --model PATH --threads N
     python benchmarks/peers_worker.py convert-gguf --src HF_DIR --out FILE.gguf --llama-cpp SRC_DIR
     python benchmarks/peers_worker.py quantize-gguf --src F32.gguf --out FILE.gguf --ftype {f16,bf16,q8_0,q4_0,q4_k_m}
 
@@ -88,13 +88,15 @@ def accuracy(window_logits, plan: str, ref: str, vocab: int) -> dict:
 
 
 class LlmcBackend:
-    def __init__(self, engine_dir: str, threads: int, max_seqs: int):
+    def __init__(self, engine_dir: str, threads: int, max_seqs: int, speculative: str | None = None,
+                 num_speculative_tokens: int | None = None):
         from llmc.runtime.llm import LLM
 
         # Cold prefill every time: the repeated prompt would otherwise hit the prefix cache,
         # which no peer has enabled here.
         self.llm = LLM(engine_dir, num_threads=threads, max_num_seqs=max(max_seqs, 8),
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, speculative=speculative,
+                       num_speculative_tokens=num_speculative_tokens)
         manifest = self.llm.engine.manifest
         self.info = {"runtime": "llmc", "engine": str(engine_dir), "threads": threads,
                      "disabled_passes": list(manifest.build_options.disable_passes), "kv_dtype": manifest.kv_cache.dtype}
@@ -112,7 +114,9 @@ class LlmcBackend:
         # TPOT = (E2E - TTFT) / (n - 1). The peers below time exactly the same span.
         out = self.llm.generate(prompt, self._params(n))
         assert len(out.token_ids) == n, (len(out.token_ids), n)
-        return {"ttft": out.metrics.ttft, "tpot": out.metrics.tpot}
+        m = out.metrics
+        return {"ttft": m.ttft, "tpot": m.tpot, "tokens": [int(t) for t in out.token_ids],
+                "steps": m.decode_steps, "proposed": m.proposed_tokens, "accepted": m.accepted_tokens}
 
     def decode(self, prompts, steps):
         llm = self.llm
@@ -269,6 +273,37 @@ class LlamaCppBackend:
 
 
 # -- ONNX Runtime GenAI ---------------------------------------------------------------------------
+
+
+class LlamaCppLookupBackend:
+    """llama.cpp through llama-cpp-python's high-level Llama.generate, with its prompt-lookup draft
+    (LlamaPromptLookupDecoding) or without one (num_pred_tokens 0): the API its users call for
+    prompt-lookup decoding, greedy (temp 0), the same threads and f16 KV cache as the other rows."""
+
+    def __init__(self, gguf: str, threads: int, ctx: int, lookup: int, max_ngram: int):
+        from llama_cpp import GGML_TYPE_F16, Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(max_ngram_size=max_ngram, num_pred_tokens=lookup) if lookup else None
+        self.llm = Llama(gguf, n_ctx=ctx, n_batch=ctx, n_threads=threads, n_threads_batch=threads,
+                         type_k=GGML_TYPE_F16, type_v=GGML_TYPE_F16, draft_model=draft, verbose=False)
+        import llama_cpp
+
+        self.info = {"runtime": "llama.cpp", "model": gguf, "threads": threads, "lookup": lookup,
+                     "max_ngram": max_ngram, "llama_cpp_python": llama_cpp.__version__}
+
+    def latency(self, prompt, n):
+        # TTFT from the call to the first token, TPOT over the rest, as llmc.runtime.metrics.
+        start = time.perf_counter()
+        times, tokens = [], []
+        gen = self.llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True)
+        for token in gen:
+            times.append(time.perf_counter())
+            tokens.append(int(token))
+            if len(tokens) == n:
+                break
+        gen.close()
+        return {"ttft": times[0] - start, "tpot": (times[-1] - times[0]) / (n - 1), "tokens": tokens}
 
 
 class OrtGenAIBackend:
@@ -520,7 +555,10 @@ def serve(args) -> None:
 
     try:
         if args.backend == "llmc":
-            backend = LlmcBackend(args.model, args.threads, args.max_seqs)
+            backend = LlmcBackend(args.model, args.threads, args.max_seqs, args.speculative,
+                                  args.num_speculative_tokens)
+        elif args.backend == "llama.cpp-lookup":
+            backend = LlamaCppLookupBackend(args.model, args.threads, args.ctx_per_seq, args.lookup, args.max_ngram)
         elif args.backend == "llama.cpp":
             backend = LlamaCppBackend(args.model, args.threads, args.max_seqs, args.ctx_per_seq, args.kv_type,
                                       args.flash_attn)
@@ -624,7 +662,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
     s = sub.add_parser("serve")
-    s.add_argument("backend", choices=["llmc", "llama.cpp", "ort-genai", "bandwidth"])
+    s.add_argument("backend", choices=["llmc", "llama.cpp", "llama.cpp-lookup", "ort-genai", "bandwidth"])
     s.add_argument("--model", default="")
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--max-seqs", type=int, default=8)
@@ -633,6 +671,10 @@ def main() -> None:
     s.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto", help="llama.cpp only")
     s.add_argument("--buffer-mib", type=int, default=1024)
     s.add_argument("--cache", default="", help="where the bandwidth kernel is compiled to")
+    s.add_argument("--speculative", default=None, help="llmc only: ngram or a draft engine")
+    s.add_argument("--num-speculative-tokens", type=int, default=None, help="llmc only")
+    s.add_argument("--lookup", type=int, default=0, help="llama.cpp-lookup: tokens proposed (0: no draft)")
+    s.add_argument("--max-ngram", type=int, default=3, help="llama.cpp-lookup: longest n-gram matched")
     c = sub.add_parser("convert-gguf")
     c.add_argument("--src", required=True)
     c.add_argument("--out", required=True)

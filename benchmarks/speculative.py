@@ -8,16 +8,18 @@ Workloads, all from the held-out half of the standard library (the models never 
   continuation repeats the input's identifiers and lines (prompt lookup's case);
 - open: the start of a file, continued freely (the draft model's case);
 - random: random token ids, so proposals miss.
-Each request runs alone (batch 1) on every configuration in turn, the order rotating per request
-and round, so drift on this noisy machine hits them alike. TPOT is each request's own (E2E -
+Each configuration runs in its own process (two sessions in one process disturb each other's
+thread pools); each request runs alone (batch 1) on every configuration in turn, the order rotating
+per request and round, so drift on this noisy machine hits them alike. TPOT is each request's own (E2E -
 TTFT) / (n - 1); the table gives the mean over requests and rounds, the ratio to plain decoding,
-acceptance and output tokens per decode step. `--batch N` also runs N open-ended requests at once
-and compares output tokens per second.
+acceptance and output tokens per decode step. `--batch N` also runs N open-ended requests at once,
+three times per round, and compares output tokens per second.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import time
 
@@ -47,6 +49,38 @@ def workloads(llm: LLM, count: int, prompt_tokens: int, seed: int) -> dict[str, 
     return {"grounded": grounded, "open": opened, "random": random}
 
 
+def _worker(conn, target: str, options: dict) -> None:
+    """One configuration in a process of its own: sessions of two LLMs in one process disturb
+    each other's thread pools (a plain decode step measured 2x slower next to an idle one)."""
+    llm = LLM(target, **options)
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        prompts, params = job
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        conn.send([(o.token_ids, o.metrics.tpot, o.metrics.proposed_tokens, o.metrics.accepted_tokens,
+                    o.metrics.num_tokens, o.metrics.decode_steps) for o in outs] + [seconds])
+
+
+class Config:
+    def __init__(self, ctx, target: str, options: dict):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker, args=(child, target, options), daemon=True)
+        self.process.start()
+        assert self.conn.recv() == "ready"
+
+    def run(self, prompts, params):
+        time.sleep(0.05)  # let the last worker's idle threads stop spinning first
+        self.conn.send((prompts, params))
+        *outs, seconds = self.conn.recv()
+        return outs, seconds
+
+    def close(self):
+        self.conn.send(None)
+        self.process.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True)
@@ -57,63 +91,73 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=96)
     parser.add_argument("--batch", type=int, default=0)
+    parser.add_argument("--fixed", action="store_true", help="also run each proposer with speculative_adaptive off")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    configs = {"plain": LLM(args.target),
-               "ngram": LLM(args.target, speculative="ngram", num_speculative_tokens=args.k)}
+    options = {"plain": {}, "ngram": dict(speculative="ngram", num_speculative_tokens=args.k)}
     if args.draft:
-        configs["draft"] = LLM(args.target, speculative=args.draft, num_speculative_tokens=args.k)
-    names = list(configs)
-    loads = workloads(configs["plain"], args.requests, args.prompt, args.seed)
+        options["draft"] = dict(speculative=args.draft, num_speculative_tokens=args.k)
+    if args.fixed:
+        for name in [n for n in options if n != "plain"]:
+            options[f"{name}-fixed"] = dict(options[name], speculative_adaptive=False)
+    ctx = multiprocessing.get_context("spawn")
+    names = list(options)
+    loads = workloads(LLM(args.target), args.requests, args.prompt, args.seed)
     params = SamplingParams(max_tokens=args.new, ignore_eos=True)
-    for llm in configs.values():  # warm: sessions, step shapes, the cost model's first steps
-        llm.generate(loads["open"][:2], params)
-        llm.generate(loads["open"][0], params)
-
-    print(f"target {args.target}, draft {args.draft}, k <= {args.k}, {args.requests} requests x {args.rounds} rounds, "
-          f"prompts ~{args.prompt} tokens, {args.new} new, batch 1")
-    print(f"{'workload':>9} {'config':>6} {'TPOT ms':>8} {'x plain':>8} {'accept':>7} {'tok/step':>9} {'same':>5}")
-    for load, prompts in loads.items():
-        tpot = {n: [] for n in names}
-        stats = {n: [0, 0, 0, 0] for n in names}  # proposed, accepted, tokens after the first, steps
-        same = {n: True for n in names}
-        for rnd in range(args.rounds):
+    tpot = {(load, n): [] for load in loads for n in names}
+    stats = {(load, n): [0, 0, 0, 0] for load in loads for n in names}  # proposed, accepted, tokens, steps
+    same = {(load, n): True for load in loads for n in names}
+    rates = {n: [] for n in names}
+    batch = (loads["open"] * (args.batch // len(loads["open"]) + 1))[:args.batch]
+    for rnd in range(args.rounds):
+        # Fresh processes each round: a process's own memory placement shifts its speed by as
+        # much as the effects measured here, so rounds average over placements too.
+        configs = {name: Config(ctx, args.target, options[name]) for name in names}
+        for config in configs.values():  # warm: sessions, step shapes, the adaptive rule's first steps
+            for prompt in loads["open"][:2] + loads["random"][:2]:
+                config.run([prompt], params)
+        for load, prompts in loads.items():
             for i, prompt in enumerate(prompts):
-                order = names[(i + rnd) % len(names):] + names[:(i + rnd) % len(names)]
+                shift = (i + rnd) % len(names)
                 outs = {}
-                for n in order:
-                    out = configs[n].generate(prompt, params)
-                    m = out.metrics
-                    tpot[n].append(m.tpot)
-                    s = stats[n]
-                    s[0] += m.proposed_tokens
-                    s[1] += m.accepted_tokens
-                    s[2] += m.num_tokens - 1
-                    s[3] += m.decode_steps
-                    outs[n] = out.token_ids
+                for n in names[shift:] + names[:shift]:
+                    (ids, t, proposed, accepted, num_tokens, steps), = configs[n].run([prompt], params)[0]
+                    tpot[load, n].append(t)
+                    s = stats[load, n]
+                    s[0] += proposed
+                    s[1] += accepted
+                    s[2] += num_tokens - 1
+                    s[3] += steps
+                    outs[n] = ids
                 for n in names:
-                    same[n] &= outs[n] == outs["plain"]
-        base = statistics.mean(tpot["plain"])
-        for n in names:
-            mean = statistics.mean(tpot[n])
-            p, a, t, st = stats[n]
-            accept = f"{a / p:.2f}" if p else "-"
-            print(f"{load:>9} {n:>6} {mean * 1e3:8.3f} {mean / base:8.3f} {accept:>7} {t / st:9.2f} {str(same[n]):>5}")
+                    same[load, n] &= outs[n] == outs["plain"]
+        for rep in range(3 if args.batch else 0):
+            shift = (rnd + rep) % len(names)
+            for n in names[shift:] + names[:shift]:
+                outs, seconds = configs[n].run(batch, params)
+                rates[n].append(sum(len(o[0]) for o in outs) / seconds)
+        for config in configs.values():
+            config.close()
 
+    print(f"target {args.target}, draft {args.draft}, k <= {args.k}, {args.requests} requests x {args.rounds} rounds "
+          f"(fresh processes each), prompts ~{args.prompt} tokens, {args.new} new, batch 1")
+    print(f"{'workload':>9} {'config':>11} {'TPOT ms':>8} {'x plain':>8} {'speed-up':>8} {'accept':>7} {'tok/step':>9} "
+          f"{'same':>5}")
+    for load in loads:
+        base = statistics.mean(tpot[load, "plain"])
+        for n in names:
+            mean = statistics.mean(tpot[load, n])
+            p, a, t, st = stats[load, n]
+            accept = f"{a / p:.2f}" if p else "-"
+            print(f"{load:>9} {n:>11} {mean * 1e3:8.3f} {mean / base:8.3f} {base / mean:8.2f} {accept:>7} "
+                  f"{t / st:9.2f} {str(same[load, n]):>5}")
     if args.batch:
-        prompts = (loads["open"] * (args.batch // len(loads["open"]) + 1))[:args.batch]
-        print(f"\nbatch {args.batch} (open workload, all at once): output tokens/s")
-        rates = {n: [] for n in names}
-        for rnd in range(args.rounds):
-            for n in names[rnd % len(names):] + names[:rnd % len(names)]:
-                start = time.perf_counter()
-                outs = configs[n].generate(prompts, params)
-                rates[n].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+        print(f"\nbatch {args.batch} (open workload, all at once): output tokens/s, mean of {len(rates['plain'])} runs")
         base = statistics.mean(rates["plain"])
         for n in names:
             mean = statistics.mean(rates[n])
-            print(f"{n:>6} {mean:9.1f} tok/s  {mean / base:6.3f}x plain")
+            print(f"{n:>11} {mean:9.1f} tok/s  {mean / base:6.3f}x plain   [{min(rates[n]):.0f}..{max(rates[n]):.0f}]")
 
 
 if __name__ == "__main__":

@@ -316,3 +316,23 @@ def test_longrope_models_refuse_speculation_in_one_line(engines):
     with pytest.raises(LlmcError, match="longrope") as info:
         LLM(engines("tiny-phi3-longrope"), speculative="ngram")
     assert "\n" not in str(info.value)
+
+
+def test_async_stream_yields_a_snapshot_per_accepted_token(code_engines):
+    import asyncio
+
+    from llmc.runtime.async_llm import AsyncLLM
+
+    target, _ = code_engines
+
+    async def main():
+        engine = AsyncLLM(target, speculative="ngram", num_speculative_tokens=6, speculative_adaptive=False)
+        stream = await engine.add_request(REPETITIVE, SamplingParams(max_tokens=60, ignore_eos=True))
+        return [out async for out in stream]
+
+    snapshots = asyncio.run(main())
+    last = snapshots[-1]
+    assert last.finished and all(not s.finished for s in snapshots[:-1])
+    assert "".join(s.delta for s in snapshots) == last.text
+    assert last.metrics.tokens_per_step > 1.5
+    assert len(snapshots) > last.metrics.decode_steps + 1

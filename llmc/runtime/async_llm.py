@@ -3,7 +3,8 @@
 The engine loop runs in a worker thread (a step is numpy + ONNX Runtime, which release the GIL),
 so the event loop stays free to accept requests. Each request gets an async iterator of
 RequestOutput snapshots (cumulative tokens and text, plus the `delta` text since the previous
-snapshot); `abort` frees its blocks at once.
+snapshot: one token's, so a speculative step that keeps several tokens yields several snapshots);
+`abort` frees its blocks at once.
 
 Every stream ends with a finished snapshot ("stop", "length", "abort" or "error"). A stream is
 closed exactly when its final snapshot is queued, by whichever comes first: the step result that
@@ -92,14 +93,22 @@ class AsyncLLM:
 
     def _step(self) -> list[tuple[RequestOutput, RequestOutput]]:
         with self._lock:
-            return [(r.out, self._snapshot(r)) for r in self.llm.step()]
+            return [(r.out, snapshot) for r in self.llm.step() for snapshot in self._snapshots(r)]
 
     @staticmethod
-    def _snapshot(request) -> RequestOutput:
-        out = copy.copy(request.out)
-        out.token_ids = list(out.token_ids)
-        out.delta = request.delta()
-        return out
+    def _snapshots(request) -> list[RequestOutput]:
+        """A step's snapshots of a request: one per token's text (a speculative step gives several),
+        the last one carrying how the request ended."""
+        pieces = request.deltas() or [""]
+        snapshots = []
+        for i, piece in enumerate(pieces):
+            out = copy.copy(request.out)
+            out.token_ids = list(out.token_ids)
+            out.delta = piece
+            if i < len(pieces) - 1:
+                out.finish_reason = out.error = None
+            snapshots.append(out)
+        return snapshots
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

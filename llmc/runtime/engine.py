@@ -77,17 +77,13 @@ class Engine:
 
         shape = self.kv.pool_shape(self.num_blocks)
         self._pools = []
-        self._binding = self.session.io_binding()
         for cache_in, cache_out in self.io.caches():
             pool = np.empty(shape, self.kv.numpy_dtype)
             pool.fill(0)  # touch every page now, not on the first write of a request
             # Over the pool's own memory (no copy), typed as the graph wants (bf16 has no numpy type ORT takes).
             value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(*kv_layout.ort_value_args(pool, self.kv.dtype))
             self._pools.append((pool, value))
-            self._binding.bind_ortvalue_input(cache_in, value)
-            self._binding.bind_ortvalue_output(cache_out, value)
         self._steps: dict[tuple[int, int, int, int], _StepBuffers] = {}
-        self._bound: _StepBuffers | None = None
 
     def _check_graph(self) -> None:
         """Hold the loaded graph's inputs and outputs against the manifest, so an edited manifest
@@ -147,30 +143,33 @@ class Engine:
         for name, value in ((io.INPUT_IDS, input_ids), (io.POSITION_IDS, position_ids), (io.PAST_LENS, past_lens),
                             (io.QUERY_LENS, query_lens), (io.BLOCK_TABLES, block_tables)):
             np.copyto(step.inputs[name], value, casting="unsafe")
-        self.session.run_with_iobinding(self._binding)
+        self.session.run_with_iobinding(step.binding)
         return step.logits
 
     def _step_buffers(self, batch: int, seq: int, width: int, num_logits: int) -> "_StepBuffers":
-        """Input and logits buffers for a step shape, bound to the session. Consecutive steps of one
-        shape (a steady decode batch) bind nothing: they only fill the bound arrays in place."""
+        """Input and logits buffers for a step shape, each shape with its own IOBinding: steps that
+        alternate shapes (decode and prefill, plain and speculative) bind nothing, they only fill
+        the bound arrays in place."""
         key = (batch, seq, width, num_logits)
         step = self._steps.get(key)
         if step is None:
             if len(self._steps) >= 16:  # shapes come and go with the batch; keep the recent ones
                 self._steps.pop(next(iter(self._steps)))
+            ort = _import_ort()
             sizes = {io.BATCH: batch, io.SEQ: seq, io.MAX_BLOCKS: width, io.NUM_LOGITS: num_logits}
             step = self._steps[key] = _StepBuffers(
                 inputs={name: np.zeros([sizes[d] for d in io.STEP_SHAPES[name]], dtype)
                         for name, dtype in io.STEP_INPUTS.items()},
                 logits=np.empty((num_logits, self.spec.vocab_size), np.float32),
-                last_of_row=np.arange(batch, dtype=np.int64) * seq - 1)
-        if self._bound is not step:
-            ort = _import_ort()
+                last_of_row=np.arange(batch, dtype=np.int64) * seq - 1,
+                binding=self.session.io_binding())
+            for (cache_in, cache_out), (_, value) in zip(self.io.caches(), self._pools):
+                step.binding.bind_ortvalue_input(cache_in, value)
+                step.binding.bind_ortvalue_output(cache_out, value)
             for name, array in step.inputs.items():
-                self._binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
-            self._binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(step.logits.shape),
-                                      step.logits.ctypes.data)
-            self._bound = step
+                step.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+            step.binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(step.logits.shape),
+                                     step.logits.ctypes.data)
         return step
 
 
@@ -179,6 +178,7 @@ class _StepBuffers:
     inputs: dict[str, np.ndarray]  # in io.STEP_INPUTS order
     logits: np.ndarray
     last_of_row: np.ndarray  # b*S - 1 per row: + query_lens is each row's last valid token
+    binding: object  # the session's IOBinding of these arrays and the pools
 
 
 @dataclass

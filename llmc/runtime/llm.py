@@ -116,6 +116,7 @@ class LLM:
         updated: list[Request] = []
         decodes = [(r, n) for r, n in scheduled if r.num_pending_tokens == 1]
         prefills = [(r, n) for r, n in scheduled if r.num_pending_tokens > 1]
+        before = sum(len(r.out.token_ids) for r, _ in decodes)
         for rows in (decodes, prefills):
             if not rows:
                 continue
@@ -127,10 +128,7 @@ class LLM:
                     if r not in updated:
                         updated.append(r)
         if self.speculator is not None:
-            if decodes and not prefills:
-                self.speculator.step_done(len(decodes), max(n for _, n in decodes) - 1)
-            else:
-                self.speculator.cancel_timing()
+            self.speculator.step_done(None if prefills else sum(len(r.out.token_ids) for r, _ in decodes) - before)
         for r in updated:
             if r.out.finished:
                 self._retire(r)
@@ -142,14 +140,21 @@ class LLM:
 
     def _propose(self) -> None:
         """Proposals for the requests that decode next step (the scheduler trims what does not fit)."""
-        decoding = []
+        decoding, prefilling = [], bool(self.scheduler.waiting)
         for r in self.scheduler.running:
-            r.proposal, r.proposal_probs = [], None
+            if r.proposal:  # one left from a step that did not schedule the request
+                r.proposal, r.proposal_probs = [], None
             if r.num_pending_tokens == 1 and r.out.token_ids:
                 decoding.append(r)
-        if decoding:
-            self.speculator.propose(decoding, [min(r.params.max_tokens - len(r.out.token_ids),
-                                                   self.max_context - len(r.token_ids)) for r in decoding])
+            elif r.num_pending_tokens > 1:
+                prefilling = True
+        # Only steps that decode and nothing else speculate: a step with prefill chunks is long
+        # already, and its time says nothing about what verifying costs.
+        if decoding and (not prefilling or not self.speculator.adaptive):
+            self.speculator.propose(decoding, self._remaining)
+
+    def _remaining(self, r: Request) -> int:
+        return min(r.params.max_tokens - len(r.out.token_ids), self.max_context - len(r.token_ids))
 
     def _retire(self, request: Request) -> None:
         self.scheduler.finish(request)

@@ -7,17 +7,17 @@ back. Two proposers: prompt lookup (the continuation of the latest earlier occur
 sequence's last n tokens) and a draft engine (a smaller llmc engine with the same tokenizer and
 its own paged cache, stepping every speculating row as one batch).
 
-Adaptive: each request keeps an estimate of how often its proposals are accepted and proposes
-the j-th token only while that chance to the power j is at least `MIN_CHANCE`; a request whose
-estimate falls below it pauses and probes again after a backoff. Per step, the expected tokens
-are weighed against whole-step times measured on this engine per (batch, proposal length), so
-speculation steps aside when verifying costs more than it gains (large batches, misses).
+Adaptive: each request estimates how often a proposed token is accepted (given the ones before
+it were) and proposes the j-th token only while that chance to the power j is at least
+MIN_CHANCE, pausing with a backoff below it. Per step, the cap on the proposal length is the one
+with the most output tokens per second of whole step measured on this engine at this batch size,
+so speculation steps aside where verifying costs more than it gains (large batches, misses, a
+draft that is slow for what it gets right). docs/speculative.md has the numbers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,13 +31,14 @@ from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.request import Request
 from llmc.runtime.sampling import distribution, sample_from
 
-MIN_CHANCE = 0.25  # propose the j-th token while acceptance**j is at least this
-PRIOR_ACCEPTANCE = 0.75  # a new request's estimate: optimistic, so it tries
-EMA = 0.3  # weight of the latest step in a request's acceptance estimate
+MIN_CHANCE = 0.1  # propose the j-th token while acceptance**j is at least this
+PRIOR_HITS, PRIOR_TRIALS = 1.5, 2.0  # a new request's estimate, 0.75: optimistic, so it tries
+DECAY = 0.7  # weight of the earlier steps in a request's acceptance estimate
 MAX_BACKOFF = 64  # steps a paused request waits at most before it probes again
-MIN_GAIN = 1.1  # speculate only when the expected tokens per second beat plain decoding's by this
-SAMPLES = 3  # step times measured per (batch, proposal length) before they are trusted
-REMEASURE = 64  # decisions at a batch size between refreshing its oldest step time
+MIN_GAIN = 1.05  # speculate only when its measured tokens per second beat plain decoding's by this
+SAMPLES = 3  # steps measured per (batch size, cap) before the choice between caps is made
+RUNS_KEPT = 8  # the latest steps per (batch size, cap) that its rate is measured over
+PROBE_COST = 100  # decoding time between probes of an untaken cap, in multiples of the last probe's
 
 
 class NgramProposer:
@@ -71,12 +72,6 @@ class NgramProposer:
     def release(self, r: Request) -> None:
         self._index.pop(r.request_id, None)
 
-    def take_prefill_seconds(self) -> float:
-        return 0.0
-
-    def close(self) -> None:
-        self._index.clear()
-
 
 @dataclass
 class _DraftSeq:
@@ -86,6 +81,7 @@ class _DraftSeq:
     num_computed_tokens: int = 0
     num_hashed_blocks: int = 0
     cache_salt: int | None = None
+    agreed: int = 0  # the target's length when last caught up: token_ids match it that far
 
 
 class DraftProposer:
@@ -109,12 +105,6 @@ class DraftProposer:
         self.blocks = BlockManager(self.engine.num_blocks, self.engine.block_size, enable_prefix_caching=False)
         self.chunk = options.chunk_size
         self._seqs: dict[str, _DraftSeq] = {}
-        self._prefill_seconds = 0.0
-
-    def take_prefill_seconds(self) -> float:
-        """Seconds spent computing new prompts into the draft's cache since the last call."""
-        seconds, self._prefill_seconds = self._prefill_seconds, 0.0
-        return seconds
 
     def propose(self, rows: list[Request], ks: list[int]) -> None:
         live = []
@@ -153,12 +143,13 @@ class DraftProposer:
         """Point the request's draft sequence at the target's tokens: keep the cached prefix the
         two agree on (proposals the target rejected diverge) and make room for k more tokens."""
         s = self._seqs.setdefault(r.request_id, _DraftSeq())
-        same = 0
         limit = min(s.num_computed_tokens, len(r.token_ids))
+        same = min(s.agreed, limit)  # the target's tokens only grow: up to `agreed` they still match
         while same < limit and s.token_ids[same] == r.token_ids[same]:
             same += 1
         s.num_computed_tokens = same
         s.token_ids = list(r.token_ids)
+        s.agreed = len(r.token_ids)
         self.blocks.truncate(s, same)
         need = len(s.token_ids) + k - 1
         if not self.blocks.can_append(s, need):
@@ -170,13 +161,6 @@ class DraftProposer:
     def _prefill(self, live: list[tuple[Request, _DraftSeq]]) -> None:
         """Compute all but the last of each row's new tokens in chunks (the last one is fed by
         the first proposal call, which reads its logits)."""
-        started = time.perf_counter()
-        try:
-            self._prefill_chunks(live)
-        finally:
-            self._prefill_seconds += time.perf_counter() - started
-
-    def _prefill_chunks(self, live: list[tuple[Request, _DraftSeq]]) -> None:
         while True:
             rows = [s for _, s in live if len(s.token_ids) - 1 - s.num_computed_tokens > 0]
             if not rows:
@@ -192,16 +176,25 @@ class DraftProposer:
         if s is not None:
             self.blocks.free(s)
 
-    def close(self) -> None:
-        for rid in list(self._seqs):
-            self.blocks.free(self._seqs.pop(rid))
-
 
 @dataclass
 class _RowState:
-    acceptance: float = PRIOR_ACCEPTANCE
+    """A request's chance that a proposed token is accepted given the ones before it were: a
+    proposal stops at its first rejection, so a step of k proposals with a kept counts a hits
+    out of a + 1 tries (a out of a when all were kept), decayed over steps."""
+    hits: float = PRIOR_HITS
+    trials: float = PRIOR_TRIALS
     wait: int = 0  # steps left before a paused request probes again
     backoff: int = 1
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / self.trials
+
+
+@dataclass
+class _Probe:
+    wait: float = 0.0  # seconds of decoding at this batch size left before the next probe
 
 
 class Speculator:
@@ -211,36 +204,40 @@ class Speculator:
         self.proposer = proposer
         self.max_tokens = max_tokens
         self.adaptive = adaptive
+        # The step's proposal caps it chooses between: none, powers of two, the most allowed.
+        self.caps = sorted({0, max_tokens} | {1 << i for i in range(max_tokens.bit_length()) if 1 << i < max_tokens})
         self._rows: dict[str, _RowState] = {}
-        self._step_times: dict[tuple[int, int], deque[float]] = {}  # (batch bucket, longest proposal): seconds
-        self._decisions: dict[int, int] = {}  # per batch bucket
-        self._started: float | None = None
+        self._runs: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (batch bucket, cap): (tokens, seconds)
+        self._probes: dict[int, _Probe] = {}  # per batch bucket
+        self._lost: set[int] = set()  # batch buckets where speculating measured no faster
+        self._probing = False  # the running step measures a cap rather than uses the best
+        self._pending: tuple[int, int] | None = None  # the running step's (bucket, cap)
+        self._started = 0.0
 
-    def propose(self, decoding: list[Request], remaining: list[int]) -> None:
-        """Set each decoding request's proposal; `remaining` is how many more tokens each may
-        still produce (a proposal longer than that minus one cannot be kept)."""
+    def propose(self, decoding: list[Request], remaining) -> None:
+        """Set the decoding requests' proposals; `remaining(r)` is how many more tokens r may still
+        produce (a proposal longer than that minus one cannot be kept)."""
         self._started = time.perf_counter()
-        states = [self._rows.setdefault(r.request_id, _RowState()) for r in decoding]
-        ks = [max(min(self._wanted(s), left - 1), 0) for s, left in zip(states, remaining)]
-        if not self.adaptive:
-            self.proposer.propose(decoding, ks)
-            return
-        if self.proposer.cheap:  # look first, then weigh what was found
-            self.proposer.propose(decoding, ks)
-            cap = self._best_cap([len(r.proposal) for r in decoding], states)
-            for r in decoding:
-                del r.proposal[cap:]
-        else:  # weigh what is wanted, then pay for only that
-            cap = self._best_cap(ks, states)
-            self.proposer.propose(decoding, [min(k, cap) for k in ks])
+        cap = self.max_tokens
+        if self.adaptive:
+            bucket = _bucket(len(decoding))
+            cap = self._choose(bucket)
+            self._pending = (bucket, cap)
+            if cap == 0:  # the common case once speculation does not pay: nothing more to do
+                return
+        ks = [max(min(self._wanted(r), cap, remaining(r) - 1), 0) for r in decoding]
+        self.proposer.propose(decoding, ks)
 
-    def _wanted(self, s: _RowState) -> int:
+    def _wanted(self, r: Request) -> int:
+        """The request's own proposal length: the j-th token only while acceptance**j is at least
+        MIN_CHANCE; none while paused, but a one-token probe now and then."""
         if not self.adaptive:
             return self.max_tokens
+        s = self._rows.setdefault(r.request_id, _RowState())
         k = 0
         while k < self.max_tokens and s.acceptance ** (k + 1) >= MIN_CHANCE:
             k += 1
-        if k == 0:  # paused: probe with one token now and then
+        if k == 0:
             s.wait -= 1
             if s.wait <= 0:
                 s.wait = s.backoff
@@ -248,57 +245,70 @@ class Speculator:
                 return 1
         return k
 
-    def _best_cap(self, ks: list[int], states: list[_RowState]) -> int:
-        """The step's longest proposal with the best measured tokens per second (0: none); a
-        length not yet measured at this batch size is tried once."""
-        batch, longest = len(ks), max(ks, default=0)
-        if longest == 0:
+    def _choose(self, bucket: int) -> int:
+        """The cap with the most output tokens per second of whole step measured at this batch
+        size. Caps are measured SAMPLES steps each, upwards from none, and a larger one only while
+        the last was no worse than the best below it; a batch size above one where speculating
+        lost is not tried (verifying costs more the larger the batch). Then the best is used
+        (speculation must beat none by MIN_GAIN), and the next larger cap is probed again once
+        decoding has run PROBE_COST times as long as the last probe took, so probes cost about
+        1 / PROBE_COST of the time (costs drift as contexts grow and neighbours come and go)."""
+        if any(b < bucket for b in self._lost):
             return 0
+        best = 0
+        for i, cap in enumerate(self.caps):
+            rate = self._rate(bucket, cap)
+            if rate is None:
+                self._probing = True
+                return cap
+            if rate < self._rate(bucket, self.caps[best]):
+                break
+            best = i
+        if best and self._rate(bucket, self.caps[best]) <= MIN_GAIN * self._rate(bucket, 0):
+            best = 0
+        if best == 0:
+            self._lost.add(bucket)
+        else:
+            self._lost.discard(bucket)
+        probe = self._probes.setdefault(bucket, _Probe())
+        if probe.wait <= 0 and best + 1 < len(self.caps):
+            self._probing = True
+            return self.caps[best + 1]
+        return self.caps[best]
 
-        def expected(cap: int) -> float:  # output tokens the step is expected to give
-            return sum(sum(s.acceptance ** j for j in range(min(k, cap) + 1)) for k, s in zip(ks, states))
-
-        bucket = _bucket(batch)
-        caps = sorted({0, max(1, longest // 2), longest})
-        times = [self._step_times.get((bucket, cap), ()) for cap in caps]
-        for cap, samples in zip(caps, times):
-            if len(samples) < SAMPLES:
-                return cap  # measure it
-        decisions = self._decisions[bucket] = self._decisions.get(bucket, 0) + 1
-        if decisions % REMEASURE == 0:  # costs drift (context grows, neighbours come and go)
-            return caps[decisions // REMEASURE % len(caps)]
-        rates = [expected(cap) / statistics.median(samples) for cap, samples in zip(caps, times)]
-        best = max(range(1, len(caps)), key=rates.__getitem__, default=0)
-        return caps[best] if rates[best] > MIN_GAIN * rates[0] else 0
+    def _rate(self, bucket: int, cap: int) -> float | None:
+        measured = self._runs.get((bucket, cap), ())
+        if len(measured) < SAMPLES:
+            return None
+        return sum(t for t, _ in measured) / sum(seconds for _, seconds in measured)
 
     def verified(self, r: Request, proposed: int, accepted: int) -> None:
         """Learn from a request's step: `accepted` of its `proposed` tokens were kept."""
         s = self._rows.get(r.request_id)
         if s is None or not proposed:
             return
-        s.acceptance += EMA * (accepted / proposed - s.acceptance)
+        s.hits = DECAY * s.hits + accepted
+        s.trials = DECAY * s.trials + accepted + (accepted < proposed)
         if accepted:
             s.backoff, s.wait = 1, 0
 
-    def step_done(self, batch: int, longest: int) -> None:
-        """Record the whole step's time (proposing, verifying, accepting) for its shape; only
-        steps that decode and nothing else count."""
-        if self._started is None:
+    def step_done(self, tokens: int | None) -> None:
+        """Record the step's output tokens and whole time (proposing, verifying, accepting) under
+        its cap; None: the step also prefilled, so it says nothing about decoding."""
+        pending, self._pending = self._pending, None
+        probing, self._probing = self._probing, False
+        # A draft's catch-up over a new prompt counts: it is what speculating with it costs.
+        seconds = time.perf_counter() - self._started
+        if pending is None:
             return
-        # A draft's one-off catch-up over a new prompt is not what a step of this shape costs.
-        seconds = time.perf_counter() - self._started - self.proposer.take_prefill_seconds()
-        self._step_times.setdefault((_bucket(batch), longest), deque(maxlen=5)).append(seconds)
-        self._started = None
-
-    def cancel_timing(self) -> None:
-        self._started = None
+        probe = self._probes.setdefault(pending[0], _Probe())
+        probe.wait = PROBE_COST * seconds if probing else probe.wait - seconds
+        if tokens:
+            self._runs.setdefault(pending, deque(maxlen=RUNS_KEPT)).append((tokens, seconds))
 
     def release(self, r: Request) -> None:
         self._rows.pop(r.request_id, None)
         self.proposer.release(r)
-
-    def close(self) -> None:
-        self.proposer.close()
 
 
 def _bucket(batch: int) -> int:
