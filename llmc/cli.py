@@ -260,6 +260,42 @@ def tune(engine, workload, objective, budget, build_knobs, output, fresh, no_plo
 
 @main.command()
 @click.argument("engine", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--model", "model_name", default=None, help="Model name clients send [default: the engine folder's name].")
+@click.option("--chat-template", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="Jinja chat template for /v1/chat/completions [default: the engine's].")
+@click.option("--max-waiting", default=256, show_default=True,
+              help="Requests that may wait for a slot; beyond it the server answers 429 with Retry-After.")
+@click.option("--grace-period", default=30.0, show_default=True,
+              help="Seconds SIGTERM waits for running requests to finish before exiting.")
+@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--speculative", default=None, help="ngram or a draft engine's directory.")
+@click.option("--num-speculative-tokens", type=int, default=None)
+@click.option("--no-tuning", is_flag=True, help="Ignore the engine's tuning.json.")
+def serve(engine, host, port, model_name, chat_template, max_waiting, grace_period, threads, speculative,
+          num_speculative_tokens, no_tuning):
+    """Serve ENGINE over an OpenAI-compatible HTTP API (completions, chat, models, health, metrics)."""
+    try:
+        import uvicorn
+
+        from llmc.server.app import create_app
+    except ImportError as exc:
+        raise LlmcError(f"llmc serve needs {exc.name}, which is missing from this install; reinstall llmc (pip install -e .)") from None
+    from llmc.contract.engine_dir import open_engine
+    from llmc.contract.options import RuntimeOptions
+
+    options = RuntimeOptions.given(dict(num_threads=threads, speculative=speculative,
+                                        num_speculative_tokens=num_speculative_tokens))
+    open_engine(engine, verify_checksums=False)  # a bad engine is one line now, not a 503 later
+    app = create_app(engine, model=model_name, options={**options, "use_tuning": not no_tuning},
+                     chat_template=chat_template, max_waiting=max_waiting)
+    click.echo(f"serving {engine} on http://{host}:{port}/v1 (model {model_name or Path(engine).name})", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_period)
+
+
+@main.command()
+@click.argument("engine", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the raw manifest.")
 def inspect(engine, as_json):
     """Describe an engine: model, backend, KV cache layout, passes, files."""

@@ -250,5 +250,5 @@ def test_bench_without_matplotlib_says_how_to_get_it(llama_engine, tmp_path, mon
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    _assert_one_line_error(["bench", llama_engine, "-o", tmp_path / "x"], "pip install 'llmc[bench]'")
+    _assert_one_line_error(["bench", llama_engine, "-o", tmp_path / "x"], "reinstall llmc (pip install -e .) or pass --no-plots")
     assert not (tmp_path / "x").exists()  # failed before measuring anything

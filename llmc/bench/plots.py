@@ -1,5 +1,5 @@
 """PNG plots of a benchmark report and of a tuning run (matplotlib, Agg backend, imported lazily:
-it is an optional dependency, `pip install 'llmc[bench]'`)."""
+only the commands that draw pay for the import)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise LlmcError("plots need matplotlib, which is not installed; run pip install 'llmc[bench]' "
-                        "or pass --no-plots") from None
+        raise LlmcError("plots need matplotlib, which is missing from this install; reinstall llmc "
+                        "(pip install -e .) or pass --no-plots") from None
 
 
 def _pyplot():

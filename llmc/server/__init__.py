@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`llmc serve`); needs the [serve] extra."""

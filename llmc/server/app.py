@@ -1,0 +1,300 @@
+"""`llmc serve`: an OpenAI-compatible HTTP server over one AsyncLLM, shared by every connection.
+
+The engine loads in a worker thread after the server starts (`/health` answers 503 until it is
+ready). A request is one `AsyncLLM` stream per choice (`n`); a client that disconnects closes
+its streams, which aborts the requests and frees their blocks at once. The waiting queue is
+bounded (429 with Retry-After past it), and every refused request gets OpenAI's error body
+naming the field, without touching the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmc.errors import LlmcError, RequestError, first_line
+from llmc.runtime.async_llm import AsyncLLM
+from llmc.runtime.request import RequestOutput
+from llmc.server.prometheus import ServerMetrics
+from llmc.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling, error_body
+
+# The fields a runtime refusal can be about, in the order its message is searched for them.
+_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "prompt")
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.headers, self.kind = status, param, headers, kind
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a runtime refusal is about, for the error body's `param`."""
+    return next((f for f in _FIELDS if re.search(rf"\b{f}\b", message)), "prompt")  # else: the prompt's tokens
+
+
+class _Server:
+    def __init__(self, engine_dir: Path, model: str, options: dict, chat_template: Path | None, max_waiting: int):
+        self.engine_dir, self.model, self.options = engine_dir, model, options
+        self.chat_template_file, self.max_waiting = chat_template, max_waiting
+        self.engine: AsyncLLM | None = None
+        self.metrics: ServerMetrics | None = None
+        self.load_error: str | None = None
+        self.template = None
+
+    def load(self) -> None:
+        """Runs in a worker thread while the server already answers /health with 503."""
+        try:
+            engine = AsyncLLM(self.engine_dir, **self.options)
+            self.template = _chat_template(engine.llm, self.chat_template_file)
+            self.metrics = ServerMetrics(engine.llm, self.model)
+            self.engine = engine
+        except Exception as exc:
+            self.load_error = first_line(exc)
+
+    def ready(self) -> AsyncLLM:
+        if self.engine is None:
+            message = f"the engine failed to load: {self.load_error}" if self.load_error else "the engine is loading"
+            raise HttpError(503, message, kind="service_unavailable", headers={"Retry-After": "1"})
+        return self.engine
+
+    # -- a request: n streams ------------------------------------------------------------------
+
+    async def start(self, body: _Sampling, prompt: str | list[int], default_max_tokens) -> tuple[str, list]:
+        engine = self.ready()
+        waiting = len(engine.llm.scheduler.waiting)
+        if waiting + body.n > self.max_waiting:
+            raise HttpError(429, f"the server's queue is full ({waiting} requests waiting, at most "
+                                 f"{self.max_waiting}); retry later", kind="rate_limit_exceeded",
+                            headers={"Retry-After": "1"})
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = []
+        try:
+            for i in range(body.n):
+                params = body.sampling(i, default_max_tokens)
+                streams.append(await engine.add_request(prompt, params, request_id=f"{rid}-{i}"))
+        except RequestError as exc:
+            for stream in streams:
+                await stream.aclose()
+            raise HttpError(400, str(exc), _param_of(str(exc))) from None
+        return rid, streams
+
+    async def choices(self, streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, snapshot) from all of a request's streams as they come; closing this
+        iterator closes every stream (aborting what is unfinished) and counts each request."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream) -> None:
+            last = None
+            try:
+                async for out in stream:
+                    last = out
+                    await queue.put((index, out))
+            finally:
+                await stream.aclose()
+                if last is not None:
+                    self.metrics.finished(last)
+                await queue.put((index, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            open_streams = len(tasks)
+            while open_streams:
+                index, out = await queue.get()
+                if out is None:
+                    open_streams -= 1
+                else:
+                    yield index, out
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _chat_template(llm, override: Path | None):
+    """The chat template as transformers renders it (sandboxed Jinja, trim_blocks, lstrip_blocks)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = override or llm.engine.files.chat_template
+    if path is None:
+        return None
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(Path(path).read_text())
+    except (OSError, TemplateError) as exc:
+        raise LlmcError(f"chat template {path} cannot be read ({first_line(exc)}); fix it or pass --chat-template FILE")
+
+
+def create_app(engine_dir: str | Path, *, model: str | None = None, options: dict | None = None,
+               chat_template: str | Path | None = None, max_waiting: int = 256) -> FastAPI:
+    engine_dir = Path(engine_dir)
+    server = _Server(engine_dir, model or engine_dir.name, options or {},
+                     Path(chat_template) if chat_template else None, max_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.get_running_loop().run_in_executor(None, server.load)
+        yield
+        await loading
+
+    app = FastAPI(title="llmc", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(HttpError)
+    async def http_error(request: Request, exc: HttpError):
+        return JSONResponse(error_body(str(exc), exc.param, exc.kind), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            message, param = f"the body is not valid JSON ({first.get('msg')}); send a JSON object", None
+        else:
+            param = ".".join(loc) or None
+            message = f"{param or 'body'}: {first.get('msg')}" + (f" (got {first['input']!r:.80})"
+                                                                  if "input" in first and loc else "")
+        return JSONResponse(error_body(message, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def other_http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), None, "invalid_request_error"), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health():
+        server.ready()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        server.ready()
+        return {"object": "list", "data": [{"id": server.model, "object": "model", "created": 0, "owned_by": "llmc",
+                                            "max_model_len": server.engine.llm.max_context}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        server.ready()
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        rid, streams = await server.start(body, body.prompt, 16)
+        return await _respond(server, request, body, rid, streams, chat=False,
+                              prompt_tokens=_prompt_tokens(server, body.prompt))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        engine = server.ready()
+        if server.template is None:
+            raise HttpError(400, "this engine has no chat template; start the server with --chat-template FILE",
+                            "messages")
+        llm = engine.llm
+        try:
+            text = server.template.render(messages=[m.model_dump(exclude_none=True) for m in body.messages],
+                                          add_generation_prompt=True, bos_token="", eos_token="")
+        except Exception as exc:
+            raise HttpError(400, f"the chat template cannot render these messages ({first_line(exc)})",
+                            "messages") from None
+        ids = llm.tokenizer.encode(text, add_special_tokens=False).ids
+        rid, streams = await server.start(body, ids, max(1, llm.max_context - len(ids)))
+        return await _respond(server, request, body, rid, streams, chat=True, prompt_tokens=len(ids))
+
+    return app
+
+
+def _prompt_tokens(server: _Server, prompt) -> int:
+    return len(prompt) if isinstance(prompt, list) else len(server.engine.llm.encode(prompt))
+
+
+async def _respond(server: _Server, request: Request, body: _Sampling, rid: str, streams, chat: bool,
+                   prompt_tokens: int):
+    created = int(time.time())
+    kind = "chat.completion" if chat else "text_completion"
+
+    def usage(completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    if body.stream:
+        async def events() -> AsyncIterator[str]:
+            choices = server.choices(streams)
+            counts = [0] * len(streams)
+            try:
+                first = [True] * len(streams)
+                async for index, out in choices:
+                    counts[index] = len(out.token_ids)
+                    finish = _finish_reason(out)
+                    if chat:
+                        delta = {"role": "assistant", "content": out.delta} if first[index] else {"content": out.delta}
+                        choice = {"index": index, "delta": delta, "finish_reason": finish}
+                    else:
+                        choice = {"index": index, "text": out.delta, "logprobs": None, "finish_reason": finish}
+                    first[index] = False
+                    chunk = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
+                             "model": server.model, "choices": [choice]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                if body.include_usage:
+                    chunk = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
+                             "model": server.model, "choices": [], "usage": usage(sum(counts))}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                await choices.aclose()  # a client that went away: abort what is unfinished
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    finals: dict[int, RequestOutput] = {}
+    choices = server.choices(streams)
+
+    async def collect():
+        async for index, out in choices:
+            if out.finished:
+                finals[index] = out
+
+    task = asyncio.create_task(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.05)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                break
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await choices.aclose()
+    if len(finals) < len(streams):
+        return Response(status_code=499)  # the client went away; nobody reads this
+    errors = [o.error for o in finals.values() if o.finish_reason == "error"]
+    if errors:
+        raise HttpError(500, errors[0], kind="server_error")
+    results = []
+    for index in range(len(streams)):
+        out = finals[index]
+        if chat:
+            results.append({"index": index, "message": {"role": "assistant", "content": out.text},
+                            "logprobs": None, "finish_reason": _finish_reason(out)})
+        else:
+            results.append({"index": index, "text": out.text, "logprobs": None, "finish_reason": _finish_reason(out)})
+    return {"id": rid, "object": kind, "created": created, "model": server.model, "choices": results,
+            "usage": usage(sum(len(o.token_ids) for o in finals.values()))}
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finish_reason in (None, "stop", "length") else "stop"

@@ -1,0 +1,254 @@
+"""`llmc serve` through the real `openai` client, on 127.0.0.1, against in-process runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from llmc.runtime.llm import LLM  # noqa: E402
+from llmc.runtime.sampling import SamplingParams  # noqa: E402
+
+TEMPLATE = ("{% for m in messages %}{{ '### ' + m['role'] + '\\n' + m['content'] + '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '### assistant\\n' }}{% endif %}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, engine, *args):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "llmc.cli", "serve", str(engine), "--port", str(self.port),
+                                      "--model", "code", *map(str, args)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503  # loading
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"llmc serve did not come up: {self.proc.stderr.read()}")
+            time.sleep(0.2)
+
+    def metrics(self) -> dict:
+        with urllib.request.urlopen(self.url + "/metrics") as r:
+            text = r.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def post(self, path: str, body: bytes | str, content_type="application/json"):
+        req = urllib.request.Request(self.url + path, data=body if isinstance(body, bytes) else body.encode(),
+                                     headers={"Content-Type": content_type}, method="POST")
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, json.loads(r.read()), dict(r.headers)
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def code_engine(engines):
+    return engines("code-small")
+
+
+@pytest.fixture(scope="module")
+def server(code_engine, tmp_path_factory):
+    template = tmp_path_factory.mktemp("chat") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    s = _Server(code_engine, "--chat-template", template)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def local(code_engine):
+    return LLM(code_engine)
+
+
+def _client(server, **kw):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, **kw)
+
+
+def test_health_models_and_greedy_completion_match_in_process(server, local):
+    client = _client(server)
+    assert [m.id for m in client.models.list().data] == ["code"]
+    prompt = "def read_lines(path):\n"
+    r = client.completions.create(model="code", prompt=prompt, max_tokens=24, temperature=0)
+    expected = local.generate(prompt, SamplingParams(max_tokens=24))
+    assert r.choices[0].text == expected.text
+    assert r.choices[0].finish_reason == expected.finish_reason
+    assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert r.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_streamed_completion_with_usage_and_stop_string(server, local):
+    client = _client(server)
+    prompt = "import os\n"
+    plain = local.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    stop = plain.text[10:13]
+    expected = local.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True, stop=stop))
+    chunks = list(client.completions.create(model="code", prompt=prompt, max_tokens=30, temperature=0, stop=stop,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected.text and stop not in text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_n_choices_with_a_seed_are_distinct_and_repeatable(server):
+    client = _client(server)
+    kw = dict(model="code", prompt="class Config:\n", max_tokens=12, temperature=0.9, n=3, seed=5)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1 and a.usage.completion_tokens == 36
+
+
+def test_chat_uses_the_template_streamed_and_not(server, local):
+    client = _client(server)
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "a loop"}]
+    rendered = "### system\nYou write Python.\n### user\na loop\n### assistant\n"
+    ids = local.tokenizer.encode(rendered, add_special_tokens=False).ids
+    expected = local.generate(ids, SamplingParams(max_tokens=16))
+    r = client.chat.completions.create(model="code", messages=messages, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == expected.text and r.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model="code", messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+
+
+@pytest.mark.parametrize("body,param,fragment", [
+    ('{"prompt": "x", "max_tokens": 0}', "max_tokens", "greater than or equal to 1"),
+    ('{"prompt": "x", "temperature": -1}', "temperature", "greater than or equal to 0"),
+    ('{"prompt": "x", "n": "many"}', "n", "valid integer"),
+    ('{"max_tokens": 5}', "prompt", "Field required"),
+    ('{"prompt": "' + "x " * 300 + '"}', "prompt", "max context"),
+    ('{"prompt": "x", "stop": [""]}', "stop", "non-empty"),
+    ('{"prompt": [99999]}', "prompt", "outside the vocabulary"),
+    ('{bad json', None, "not valid JSON"),
+])
+def test_bad_requests_get_400_naming_the_field(server, body, param, fragment):
+    status, error, _ = server.post("/v1/completions", body)
+    assert status == 400, error
+    assert error["error"]["param"] == param and fragment in error["error"]["message"]
+    assert error["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_with_a_bad_role_is_400(server):
+    status, error, _ = server.post("/v1/chat/completions", '{"messages": [{"role": "robot", "content": "hi"}]}')
+    assert status == 400 and error["error"]["param"].startswith("messages")
+
+
+def test_64_streams_with_random_disconnects_leave_the_rest_identical_and_the_pool_whole(server, local):
+    rng = np.random.default_rng(0)
+    prompts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(64)]
+    drop = set(rng.choice(64, 16, replace=False).tolist())
+    before = server.metrics()
+
+    async def one(client, i):
+        stream = await client.completions.create(model="code", prompt=prompts[i], max_tokens=24, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        text, chunks = "", 0
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            chunks += 1
+            if i in drop and chunks == 3:
+                await stream.close()  # the client goes away mid-stream
+                return None
+        return text
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    texts = asyncio.run(main())
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for i, text in enumerate(texts):
+        if i not in drop:
+            assert text == local.generate(prompts[i], params).text, i
+    deadline = time.time() + 10
+    while True:  # aborts land within a step or two
+        after = server.metrics()
+        idle = after[("vllm:num_requests_running", (("model_name", "code"),))] == 0
+        if idle or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert idle and after[("vllm:kv_cache_usage_perc", (("model_name", "code"),))] == 0.0  # every block free
+
+    def delta(name, labels=(("model_name", "code"),)):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    finished = sum(delta("vllm:request_success_total", (("finished_reason", r), ("model_name", "code")))
+                   for r in ("length", "stop", "abort"))
+    assert finished == 64
+    assert delta("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "code"))) == 48
+    assert delta("vllm:prompt_tokens_total") == sum(len(local.encode(p)) for p in prompts)
+
+
+def test_metrics_parse_and_count_what_was_sent(server, local):
+    before = server.metrics()
+    client = _client(server)
+    prompts = ["import sys\n", "x = 1\n", "def g():\n"]
+    sent_in = sent_out = 0
+    for p in prompts:
+        r = client.completions.create(model="code", prompt=p, max_tokens=7, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        sent_in, sent_out = sent_in + r.usage.prompt_tokens, sent_out + r.usage.completion_tokens
+    after = server.metrics()
+    key = (("model_name", "code"),)
+    assert after[("vllm:prompt_tokens_total", key)] - before.get(("vllm:prompt_tokens_total", key), 0) == sent_in
+    assert after[("vllm:generation_tokens_total", key)] - before.get(("vllm:generation_tokens_total", key), 0) \
+        == sent_out == 21
+    assert after[("vllm:time_to_first_token_seconds_count", key)] \
+        - before.get(("vllm:time_to_first_token_seconds_count", key), 0) == 3
+    assert after[("vllm:inter_token_latency_seconds_count", key)] \
+        - before.get(("vllm:inter_token_latency_seconds_count", key), 0) == 18
+
+
+def test_full_queue_answers_429_with_retry_after(code_engine):
+    s = _Server(code_engine, "--max-waiting", "0")
+    try:
+        status, error, headers = s.post("/v1/completions", '{"prompt": "x", "max_tokens": 2}')
+        assert status == 429 and headers.get("retry-after") == "1"
+        assert "queue is full" in error["error"]["message"]
+    finally:
+        s.close()
+
+
+def test_chat_without_a_template_is_400_naming_the_fix(code_engine):
+    s = _Server(code_engine)
+    try:
+        status, error, _ = s.post("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}]}')
+        assert status == 400 and "--chat-template" in error["error"]["message"]
+    finally:
+        s.close()
