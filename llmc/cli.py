@@ -155,6 +155,55 @@ def run(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignor
     click.echo(summary_line(stream.output), err=True)
 
 
+@main.command()
+@click.argument("engine", type=click.Path(path_type=Path))
+@click.option("--chat-template", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="Jinja chat template [default: the engine's].")
+@click.option("--system", default=None, help="A system message to start the conversation with.")
+@click.option("--max-tokens", default=256, show_default=True, help="Most tokens per reply.")
+@click.option("--temperature", default=0.7, show_default=True)
+@click.option("--top-p", default=0.9, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--speculative", default=None, help="ngram or a draft engine's directory.")
+def chat(engine, chat_template, system, max_tokens, temperature, top_p, seed, threads, speculative):
+    """Chat with ENGINE in the terminal through its chat template (`/reset` forgets, Ctrl-D ends)."""
+    from llmc.runtime.chat import ChatTemplate
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling import SamplingParams
+
+    llm = LLM(engine, num_threads=threads, speculative=speculative)
+    template = ChatTemplate.of(llm, chat_template)
+    if template is None:
+        raise LlmcError(f"engine {engine} has no chat template; pass one with --chat-template FILE")
+    start = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            click.echo()
+            return
+        if line.strip() == "/reset":
+            messages = list(start)
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = template.prompt_ids(llm, messages)
+        room = llm.max_context - len(ids)
+        if room < 1:
+            messages.pop()
+            click.echo(f"error: the conversation ({len(ids)} tokens) fills the engine's context of "
+                       f"{llm.max_context}; /reset to start over", err=True)
+            continue
+        params = SamplingParams(max_tokens=min(max_tokens, room), temperature=temperature, top_p=top_p,
+                                seed=None if seed is None else seed + len(messages))
+        stream = llm.stream(ids, params)
+        for piece in stream:
+            click.echo(piece, nl=False)
+        click.echo()
+        messages.append({"role": "assistant", "content": stream.output.text})
+
+
 def summary_line(output) -> str:
     m = output.metrics
     n = len(output.token_ids)

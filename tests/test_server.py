@@ -252,3 +252,46 @@ def test_chat_without_a_template_is_400_naming_the_fix(code_engine):
         assert status == 400 and "--chat-template" in error["error"]["message"]
     finally:
         s.close()
+
+
+def test_sigterm_stops_accepting_drains_running_streams_then_exits(code_engine):
+    import signal
+    import threading
+
+    s = _Server(code_engine, "--grace-period", "20")
+    client = _client(s)
+    result = {}
+
+    def stream():
+        chunks = client.completions.create(model="code", prompt="def main():\n", max_tokens=150, stream=True,
+                                           extra_body={"ignore_eos": True})
+        result["chunks"] = [c.choices[0] for c in chunks]
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    time.sleep(0.5)  # the stream is running
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(openai.APIConnectionError):
+        client.completions.create(model="code", prompt="x", max_tokens=2)
+    reader.join(timeout=60)
+    assert len(result["chunks"]) == 150 and result["chunks"][-1].finish_reason == "length"
+    assert s.proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
+
+
+def test_llmc_chat_renders_the_template_and_keeps_the_conversation(code_engine, local, tmp_path):
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    result = CliRunner().invoke(main, ["chat", str(code_engine), "--chat-template", str(template), "--max-tokens", "12",
+                                       "--seed", "3"], input="a loop\nmore\n")
+    assert result.exit_code == 0, result.output
+    first_ids = local.tokenizer.encode("### user\na loop\n### assistant\n", add_special_tokens=False).ids
+    first = local.generate(first_ids, SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, seed=4))
+    second_text = f"### user\na loop\n### assistant\n{first.text}\n### user\nmore\n### assistant\n"
+    second_ids = local.tokenizer.encode(second_text, add_special_tokens=False).ids
+    second = local.generate(second_ids, SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, seed=6))
+    assert result.output == f"you> {first.text}\nyou> {second.text}\nyou> \n"

@@ -23,8 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmc.errors import LlmcError, RequestError, first_line
+from llmc.errors import RequestError, first_line
 from llmc.runtime.async_llm import AsyncLLM
+from llmc.runtime.chat import ChatTemplate
 from llmc.runtime.request import RequestOutput
 from llmc.server.prometheus import ServerMetrics
 from llmc.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling, error_body
@@ -58,7 +59,7 @@ class _Server:
         """Runs in a worker thread while the server already answers /health with 503."""
         try:
             engine = AsyncLLM(self.engine_dir, **self.options)
-            self.template = _chat_template(engine.llm, self.chat_template_file)
+            self.template = ChatTemplate.of(engine.llm, self.chat_template_file)
             self.metrics = ServerMetrics(engine.llm, self.model)
             self.engine = engine
         except Exception as exc:
@@ -94,6 +95,17 @@ class _Server:
     async def choices(self, streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, snapshot) from all of a request's streams as they come; closing this
         iterator closes every stream (aborting what is unfinished) and counts each request."""
+        if len(streams) == 1:  # the common case, without the fan-in's task hops per token
+            last = None
+            try:
+                async for out in streams[0]:
+                    last = out
+                    yield 0, out
+            finally:
+                await streams[0].aclose()
+                if last is not None:
+                    self.metrics.finished(last)
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream) -> None:
@@ -123,26 +135,6 @@ class _Server:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _chat_template(llm, override: Path | None):
-    """The chat template as transformers renders it (sandboxed Jinja, trim_blocks, lstrip_blocks)."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    path = override or llm.engine.files.chat_template
-    if path is None:
-        return None
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(Path(path).read_text())
-    except (OSError, TemplateError) as exc:
-        raise LlmcError(f"chat template {path} cannot be read ({first_line(exc)}); fix it or pass --chat-template FILE")
-
-
 def create_app(engine_dir: str | Path, *, model: str | None = None, options: dict | None = None,
                chat_template: str | Path | None = None, max_waiting: int = 256) -> FastAPI:
     engine_dir = Path(engine_dir)
@@ -170,8 +162,8 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
             message, param = f"the body is not valid JSON ({first.get('msg')}); send a JSON object", None
         else:
             param = ".".join(loc) or None
-            message = f"{param or 'body'}: {first.get('msg')}" + (f" (got {first['input']!r:.80})"
-                                                                  if "input" in first and loc else "")
+            shown = "input" in first and loc and first.get("type") != "missing"  # a missing field's input is the body
+            message = f"{param or 'body'}: {first.get('msg')}" + (f" (got {first['input']!r:.80})" if shown else "")
         return JSONResponse(error_body(message, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -208,12 +200,9 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
                             "messages")
         llm = engine.llm
         try:
-            text = server.template.render(messages=[m.model_dump(exclude_none=True) for m in body.messages],
-                                          add_generation_prompt=True, bos_token="", eos_token="")
-        except Exception as exc:
-            raise HttpError(400, f"the chat template cannot render these messages ({first_line(exc)})",
-                            "messages") from None
-        ids = llm.tokenizer.encode(text, add_special_tokens=False).ids
+            ids = server.template.prompt_ids(llm, [m.model_dump(exclude_none=True) for m in body.messages])
+        except RequestError as exc:
+            raise HttpError(400, str(exc), "messages") from None
         rid, streams = await server.start(body, ids, max(1, llm.max_context - len(ids)))
         return await _respond(server, request, body, rid, streams, chat=True, prompt_tokens=len(ids))
 

@@ -1,0 +1,44 @@
+"""Chat templates: messages -> the prompt's token ids, rendered as transformers renders them
+(sandboxed Jinja with trim_blocks and lstrip_blocks, `add_generation_prompt`, `raise_exception`)
+and tokenized without adding special tokens, as `apply_chat_template(tokenize=True)` does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmc.errors import LlmcError, RequestError, first_line
+
+
+class ChatTemplate:
+    def __init__(self, text: str, source: Path):
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            self.template = env.from_string(text)
+        except TemplateError as exc:
+            raise LlmcError(f"chat template {source} does not parse ({first_line(exc)}); fix it or pass another "
+                            "with --chat-template FILE") from None
+
+    @classmethod
+    def of(cls, llm, override: str | Path | None = None) -> "ChatTemplate | None":
+        """The override's template, else the engine's; None when it has none."""
+        path = Path(override) if override else llm.engine.files.chat_template
+        if path is None:
+            return None
+        try:
+            return cls(path.read_text(), path)
+        except OSError as exc:
+            raise LlmcError(f"cannot read chat template {path} ({first_line(exc)})") from None
+
+    def prompt_ids(self, llm, messages: list[dict]) -> list[int]:
+        try:
+            text = self.template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        except Exception as exc:  # the template's own raise_exception, or a message it cannot handle
+            raise RequestError(f"the chat template cannot render these messages ({first_line(exc)})") from None
+        return llm.tokenizer.encode(text, add_special_tokens=False).ids
