@@ -295,3 +295,39 @@ def test_llmc_chat_renders_the_template_and_keeps_the_conversation(code_engine, 
     second_ids = local.tokenizer.encode(second_text, add_special_tokens=False).ids
     second = local.generate(second_ids, SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, seed=6))
     assert result.output == f"you> {first.text}\nyou> {second.text}\nyou> \n"
+
+
+def test_bench_over_http_reports_like_an_engine(server, code_engine, tmp_path):
+    from importlib import resources
+
+    import jsonschema
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(main, ["bench", str(code_engine), "--url", server.url + "/v1", "--num-requests", "6",
+                                       "--output-len", "8", "--qps", "20,max", "--warmup", "1", "--no-plots",
+                                       "-o", str(out), "--slo", "ttft=2s"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    schema = json.loads(resources.files("llmc.bench").joinpath("report_schema.json").read_text())
+    jsonschema.validate(report, schema, cls=jsonschema.Draft202012Validator)
+    assert [e["label"] for e in report["engines"]] == ["code-small", "code"]
+    for run in report["runs"]:
+        assert [r["num_tokens"] for r in run["requests"]] == [8] * 6, run["engine"]
+        assert all(r["finish_reason"] == "length" for r in run["requests"])
+    http_runs = [r for r in report["runs"] if r["engine"] == "code"]
+    assert len(http_runs) == 2 and all(r["other_cpu"] is None for r in http_runs)
+
+
+def test_bench_url_errors_are_one_line(server):
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+
+    for args, fragment in ((["--url", "http://127.0.0.1:9"], "cannot list the models"),
+                           (["--url", server.url, "--model", "nope"], "serves code, not 'nope'"),
+                           ([], "give an engine to benchmark, or --url")):
+        result = CliRunner().invoke(main, ["bench", *args, "--no-plots"])
+        assert result.exit_code == 2 and fragment in result.output and result.output.count("\n") == 1, result.output

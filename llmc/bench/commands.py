@@ -72,30 +72,44 @@ def _labels(paths: list[Path]) -> list[str]:
 
 
 def bench(engines: list[Path], args: WorkloadArgs, output: Path | None, plots: bool, runtime: dict[str, Any],
-          use_tuning: bool) -> Path:
+          use_tuning: bool, urls: list[str] = (), model: str | None = None, vocab_size: int | None = None) -> Path:
+    """Benchmark one or two targets: engines in-process, servers at `urls` over HTTP."""
     from llmc.bench.report import build_report, print_table, render_markdown, write_json
-    from llmc.bench.runner import benchmark
+    from llmc.bench.runner import InProcess, benchmark
     from llmc.contract.tuning import tuning_line
     from llmc.runtime.llm import LLM
 
-    if len(engines) > 2:
-        raise LlmcError(f"llmc bench compares at most two engines (got {len(engines)})")
+    if len(engines) + len(urls) > 2:
+        raise LlmcError(f"llmc bench compares at most two targets (got {len(engines) + len(urls)})")
+    if not engines and not urls:
+        raise LlmcError("give an engine to benchmark, or --url URL of a server")
     workload, rates, slo = args.parse()
     if plots:
         from llmc.bench.plots import require_matplotlib
 
         require_matplotlib()
-    labels = _labels(engines)
-    output = output or Path(f"bench-{'-vs-'.join(labels)}")
     console = _console()
-    loaded = []
-    for label, path in zip(labels, engines):
+    loaded, infos = [], []
+    for label, path in zip(_labels(engines), engines):
         with console.status(f"loading {path}"):
             llm = LLM(path, use_tuning=use_tuning, **runtime)
         workload.check_fits(llm.max_context)
         if llm.tuning is not None:
             console.print(f"{label}: {tuning_line(llm.tuning)}")
-        loaded.append((label, llm))
+        loaded.append((label, InProcess(llm)))
+        infos.append(_engine_info(label, path, llm))
+    for url in urls:
+        from llmc.bench.http import HttpTarget
+
+        server = HttpTarget(url, model, vocab_size)
+        if server.max_context is not None:
+            workload.check_fits(server.max_context)
+        taken = [lab for lab, _ in loaded]
+        label = server.model if server.model not in taken else f"{server.model} ({server.url})"
+        loaded.append((label, server))
+        infos.append({**server.info, "label": label})
+    labels = [label for label, _ in loaded]
+    output = output or Path(f"bench-{'-vs-'.join(labels)}".replace("/", "_"))
     _output_dir(output)  # before measuring: a bad -o must not cost a benchmark's worth of time
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -110,7 +124,6 @@ def bench(engines: list[Path], args: WorkloadArgs, output: Path | None, plots: b
                 task, description=f"{label} · qps {qps_label(rate)} · repeat {rep + 1}/{args.repeats}"),
             on_finish=lambda: progress.advance(task))
 
-    infos = [_engine_info(label, path, llm) for (label, llm), path in zip(loaded, engines)]
     report = build_report(infos, args.describe(workload), rates, runs, slo)
     if plots:
         from llmc.bench.plots import bench_plots

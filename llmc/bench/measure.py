@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmc.bench.runner import OtherCpu, RunResult, engine_vocab, run_requests, warm_up
+from llmc.bench.runner import InProcess, OtherCpu, RunResult, engine_vocab, run_requests, warm_up
 from llmc.bench.tuner import Config, Knob, SearchSpace
 from llmc.bench.workloads import Workload
 from llmc.contract import MANIFEST
@@ -132,7 +132,7 @@ class WorkloadCost:
         # re-hashing the weights for every trial would only add to its time.
         llm = LLM(engine, use_tuning=False, verify_checksums=False, **runtime)
         try:
-            warm_up(llm, self.workload, self.warmup)
+            warm_up(InProcess(llm), self.workload, self.warmup)
             vocab = engine_vocab(llm)
             summaries = []
             for rep in range(self.repeats):

@@ -144,15 +144,32 @@ def run_requests(llm: LLM, requests: Sequence[BenchRequest], max_concurrency: in
     return records, start, end - start
 
 
-def warm_up(llm: LLM, workload: Workload, count: int) -> None:
+class InProcess:
+    """An LLM in this process as a benchmark target. A target has `max_context` (None: unknown),
+    `vocab` (the token ids prompts are drawn from), `run` (send requests, time what comes back) and
+    `in_process`; `llmc.bench.http.HttpTarget` is the other kind, a server over HTTP."""
+
+    in_process = True
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.max_context = llm.max_context
+        self.vocab = engine_vocab(llm)
+
+    def run(self, requests: Sequence[BenchRequest], max_concurrency: int | None = None,
+            on_finish: Callable[[], None] | None = None) -> tuple[list[RequestRecord], float, float]:
+        return run_requests(self.llm, requests, max_concurrency, on_finish)
+
+
+def warm_up(target, workload: Workload, count: int) -> None:
     """Run `count` requests of the workload's shape at once, short outputs, unrecorded: the first
     calls of an ORT session allocate and pick kernels for each new shape. Shared prefixes are the
     measured runs' own, so measurement starts with the system prompt cached, as in steady state."""
     if count < 1:
         return
-    requests = replace(workload, num_requests=count).requests(engine_vocab(llm), MAX_QPS, repeat=0,
+    requests = replace(workload, num_requests=count).requests(target.vocab, MAX_QPS, repeat=0,
                                                               variant=WARMUP_VARIANT)
-    run_requests(llm, [BenchRequest(r.prompt, min(r.output_len, 16), 0.0) for r in requests])
+    target.run([BenchRequest(r.prompt, min(r.output_len, 16), 0.0) for r in requests])
 
 
 def engine_vocab(llm: LLM):
@@ -177,24 +194,28 @@ def plan_runs(num_engines: int, num_rates: int, repeats: int) -> list[PlannedRun
     return plan
 
 
-def benchmark(engines: Sequence[tuple[str, LLM]], workload: Workload, rates: Sequence[float], repeats: int = 1,
+def benchmark(targets: Sequence[tuple[str, Any]], workload: Workload, rates: Sequence[float], repeats: int = 1,
               max_concurrency: int | None = None, warmup: int = 4,
               on_run: Callable[[str, float, int], None] | None = None,
               on_finish: Callable[[], None] | None = None) -> list[RunResult]:
-    """Warm each engine up, then run every (rate, repeat) on every engine in plan_runs order.
-    Engines that agree on vocabulary get the very same requests for the same (rate, repeat)."""
-    for _, llm in engines:
-        workload.check_fits(llm.max_context)
-    for _, llm in engines:
-        warm_up(llm, workload, warmup)
+    """Warm each target (InProcess, HttpTarget) up, then run every (rate, repeat) on every target
+    in plan_runs order. Targets that agree on vocabulary get the very same requests for the same
+    (rate, repeat)."""
+    for _, target in targets:
+        if target.max_context is not None:
+            workload.check_fits(target.max_context)
+    for _, target in targets:
+        warm_up(target, workload, warmup)
     results = []
-    for planned in plan_runs(len(engines), len(rates), repeats):
-        label, llm = engines[planned.engine]
+    for planned in plan_runs(len(targets), len(rates), repeats):
+        label, target = targets[planned.engine]
         rate = rates[planned.qps_index]
         if on_run:
             on_run(label, rate, planned.repeat)
-        requests = workload.requests(engine_vocab(llm), rate, planned.repeat, planned.qps_index)
+        requests = workload.requests(target.vocab, rate, planned.repeat, planned.qps_index)
         with OtherCpu() as other:
-            records, start, wall = run_requests(llm, requests, max_concurrency, on_finish)
-        results.append(RunResult(label, rate, planned.repeat, start, wall, records, other.share))
+            records, start, wall = target.run(requests, max_concurrency, on_finish)
+        # A server's own processes are "other" to this one: their share says nothing about noise.
+        results.append(RunResult(label, rate, planned.repeat, start, wall, records,
+                                 other.share if target.in_process else None))
     return results

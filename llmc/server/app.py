@@ -179,7 +179,8 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
     async def models():
         server.ready()
         return {"object": "list", "data": [{"id": server.model, "object": "model", "created": 0, "owned_by": "llmc",
-                                            "max_model_len": server.engine.llm.max_context}]}
+                                            "max_model_len": server.engine.llm.max_context,
+                                            "vocab_size": server.engine.llm.engine.spec.vocab_size}]}
 
     @app.get("/metrics")
     async def metrics():
