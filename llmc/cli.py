@@ -265,6 +265,9 @@ def _workload_options(num_requests: int, prompt_len: str, output_len: str, qps: 
 @click.option("--model", "model_name", default=None, help="With --url: the model to ask for [default: each server's first].")
 @click.option("--vocab-size", type=int, default=None,
               help="With --url: the model's vocabulary size, when the server does not say it (prompts are random ids).")
+@click.option("--tokenizer", default=None,
+              help="With --url: send prompts as text this tokenizer (an engine folder or tokenizer.json) decodes "
+                   "them to, for servers that take no token ids.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Folder for report.json, report.md and the plots [default: bench-<engine>].")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
@@ -281,7 +284,7 @@ def _workload_options(num_requests: int, prompt_len: str, output_len: str, qps: 
 @click.option("--num-speculative-tokens", type=int, default=None,
               help="Most tokens proposed per request and step [default: tuning.json, else 4].")
 @click.option("--no-tuning", is_flag=True, help="Ignore the engines' tuning.json.")
-def bench(engines, workload, urls, model_name, vocab_size, output, no_plots, threads, max_num_seqs,
+def bench(engines, workload, urls, model_name, vocab_size, tokenizer, output, no_plots, threads, max_num_seqs,
           max_num_batched_tokens, chunk_size, speculative, num_speculative_tokens, no_tuning):
     """Measure TTFT, TPOT, ITL, E2E, throughput and goodput of ENGINE, of two engines side by side (runs
     interleaved), or of a server over HTTP (--url); writes report.json, report.md and PNG plots."""
@@ -290,7 +293,7 @@ def bench(engines, workload, urls, model_name, vocab_size, output, no_plots, thr
     runtime = dict(num_threads=threads, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                    chunk_size=chunk_size, speculative=speculative, num_speculative_tokens=num_speculative_tokens)
     run_bench(list(engines), workload, output, not no_plots, runtime, use_tuning=not no_tuning, urls=list(urls),
-              model=model_name, vocab_size=vocab_size)
+              model=model_name, vocab_size=vocab_size, tokenizer=tokenizer)
 
 
 @main.command()

@@ -331,3 +331,15 @@ def test_bench_url_errors_are_one_line(server):
                            ([], "give an engine to benchmark, or --url")):
         result = CliRunner().invoke(main, ["bench", *args, "--no-plots"])
         assert result.exit_code == 2 and fragment in result.output and result.output.count("\n") == 1, result.output
+
+
+def test_bench_target_can_send_prompts_as_text(server, code_engine):
+    from llmc.bench.http import HttpTarget
+    from llmc.bench.workloads import BenchRequest
+
+    target = HttpTarget(server.url, tokenizer=str(code_engine))  # for servers that take no token ids
+    assert target.max_context == 256 and target.vocab.max() < 8192
+    prompts = [target.vocab[:20].tolist(), target.vocab[100:130].tolist()]
+    records, _, wall = target.run([BenchRequest(p, 8, 0.0) for p in prompts])
+    assert wall > 0 and [r.output.metrics.num_tokens for r in records] == [8, 8]
+    assert all(r.output.finish_reason == "length" for r in records)

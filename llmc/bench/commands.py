@@ -72,7 +72,8 @@ def _labels(paths: list[Path]) -> list[str]:
 
 
 def bench(engines: list[Path], args: WorkloadArgs, output: Path | None, plots: bool, runtime: dict[str, Any],
-          use_tuning: bool, urls: list[str] = (), model: str | None = None, vocab_size: int | None = None) -> Path:
+          use_tuning: bool, urls: list[str] = (), model: str | None = None, vocab_size: int | None = None,
+          tokenizer: str | None = None) -> Path:
     """Benchmark one or two targets: engines in-process, servers at `urls` over HTTP."""
     from llmc.bench.report import build_report, print_table, render_markdown, write_json
     from llmc.bench.runner import InProcess, benchmark
@@ -101,7 +102,7 @@ def bench(engines: list[Path], args: WorkloadArgs, output: Path | None, plots: b
     for url in urls:
         from llmc.bench.http import HttpTarget
 
-        server = HttpTarget(url, model, vocab_size)
+        server = HttpTarget(url, model, vocab_size, tokenizer)
         if server.max_context is not None:
             workload.check_fits(server.max_context)
         taken = [lab for lab, _ in loaded]
