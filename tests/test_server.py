@@ -343,3 +343,23 @@ def test_bench_target_can_send_prompts_as_text(server, code_engine):
     records, _, wall = target.run([BenchRequest(p, 8, 0.0) for p in prompts])
     assert wall > 0 and [r.output.metrics.num_tokens for r in records] == [8, 8]
     assert all(r.output.finish_reason == "length" for r in records)
+
+
+def test_logprobs_match_in_process_streamed_and_not(server, local):
+    client = _client(server)
+    prompt = "def read(path):\n"
+    expected = local.generate(prompt, SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True))
+    r = client.completions.create(model="code", prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-5)
+    assert "".join(lp.tokens) == r.choices[0].text
+    for entry, top in zip(expected.logprobs, lp.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(entry.logprob, abs=1e-5)  # greedy: the top one
+    chunks = list(client.chat.completions.create(model="code", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                                                 stream=True))
+    content = [c for chunk in chunks if chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert len(content) == 6 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    status, error, _ = server.post("/v1/completions", '{"prompt": "x", "logprobs": 21}')
+    assert status == 400 and error["error"]["param"] == "logprobs"

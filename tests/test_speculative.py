@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, RequestError
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.llm import LLM
 from llmc.runtime.request import Request
@@ -336,3 +336,27 @@ def test_async_stream_yields_a_snapshot_per_accepted_token(code_engines):
     assert "".join(s.delta for s in snapshots) == last.text
     assert last.metrics.tokens_per_step > 1.5
     assert len(snapshots) > last.metrics.decode_steps + 1
+
+
+def test_logprobs_are_the_same_with_and_without_speculation(code_engines):
+    target, _ = code_engines
+    params = SamplingParams(max_tokens=30, logprobs=2, ignore_eos=True)
+    plain = LLM(target).generate(REPETITIVE, params)
+    spec = LLM(target, speculative="ngram", speculative_adaptive=False).generate(REPETITIVE, params)
+    assert spec.metrics.accepted_tokens > 0 and spec.token_ids == plain.token_ids
+    assert [e.token for e in spec.logprobs] == spec.token_ids
+    for a, b in zip(spec.logprobs, plain.logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
+def test_token_logprob_is_the_raw_log_softmax():
+    from llmc.runtime.sampling import token_logprob
+
+    logits = np.array([2.0, 0.5, -1.0, 3.0, 0.0], np.float32)
+    expected = logits - np.log(np.exp(logits.astype(np.float64)).sum())
+    entry = token_logprob(logits, 1, 2)
+    assert entry.logprob == pytest.approx(expected[1])
+    assert entry.top == ((3, pytest.approx(expected[3])), (0, pytest.approx(expected[0])))
+    with pytest.raises(RequestError, match="logprobs must be an int from 0 to 20"):
+        SamplingParams(logprobs=21)

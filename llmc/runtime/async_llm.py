@@ -64,8 +64,7 @@ class AsyncLLM:
     def _end(self, rid: str, error: str | None = None) -> None:
         """Queue a stream's last snapshot from its live output and close the stream."""
         stream = self._streams.pop(rid)
-        out = copy.copy(stream.out)
-        out.token_ids = list(out.token_ids)
+        out = _copy(stream.out)
         out.delta = out.text[stream.sent:]  # also the text of a step result that will be dropped
         if error is not None and out.finish_reason in (None, "abort"):
             out.finish_reason, out.error = "error", error
@@ -102,8 +101,7 @@ class AsyncLLM:
         pieces = request.deltas() or [""]
         snapshots = []
         for i, piece in enumerate(pieces):
-            out = copy.copy(request.out)
-            out.token_ids = list(out.token_ids)
+            out = _copy(request.out)
             out.delta = piece
             if i < len(pieces) - 1:
                 out.finish_reason = out.error = None
@@ -126,3 +124,12 @@ class AsyncLLM:
                 stream.queue.put_nowait(out)
                 if out.finished:
                     del self._streams[out.request_id]
+
+
+def _copy(out: RequestOutput) -> RequestOutput:
+    """A snapshot of a live output: its lists go on growing in the engine thread."""
+    snapshot = copy.copy(out)
+    snapshot.token_ids = list(out.token_ids)
+    if out.logprobs is not None:
+        snapshot.logprobs = list(out.logprobs)
+    return snapshot

@@ -22,7 +22,7 @@ from llmc.errors import RequestError, first_line
 from llmc.runtime.engine import Engine, Row, pack
 from llmc.runtime.kv_cache import BlockManager, blocks_for
 from llmc.runtime.request import Request, RequestOutput
-from llmc.runtime.sampling import Sampler, SamplingParams, verify
+from llmc.runtime.sampling import Sampler, SamplingParams, token_logprob, verify
 from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.speculative import make_speculator
 
@@ -307,9 +307,11 @@ class LLM:
     def _sample(self, requests: list[Request], logits: np.ndarray) -> list[Request]:
         tokens = self.sampler.sample(logits, [r.params for r in requests], [r.rng for r in requests])
         now = time.perf_counter()
-        for r, token in zip(requests, tokens):
+        for i, (r, token) in enumerate(zip(requests, tokens)):
             if r.out.token_ids:
                 r.out.metrics.decode_steps += 1
+            if r.out.logprobs is not None:
+                r.out.logprobs.append(token_logprob(logits[i], int(token), r.params.logprobs))
             r.append(int(token), now, self.max_context)
         return requests
 
@@ -348,7 +350,9 @@ class LLM:
         metrics.accepted_tokens += kept
         self.speculator.verified(r, len(proposed), kept)
         computed = r.num_computed_tokens + 1 + kept  # the pending token and the kept proposals
-        for token in tokens:
+        for j, token in enumerate(tokens):
+            if r.out.logprobs is not None:  # logits[j] is what came after the j-th verified position
+                r.out.logprobs.append(token_logprob(logits[j], token, r.params.logprobs))
             r.append(token, time.perf_counter(), self.max_context)  # each token its own time: ITL per token
             if r.out.finished:
                 break

@@ -38,6 +38,7 @@ class RequestOutput:
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     preemptions: int = 0
     delta: str = ""  # in streamed snapshots: the text added since the previous snapshot
+    logprobs: list | None = None  # TokenLogprob per output token, when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -60,7 +61,8 @@ class Request:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         self.out = RequestOutput(request_id, prompt, list(prompt_ids),
-                                 metrics=RequestTimes(arrival=time.perf_counter() if arrival is None else arrival))
+                                 metrics=RequestTimes(arrival=time.perf_counter() if arrival is None else arrival),
+                                 logprobs=None if params.logprobs is None else [])
         self.proposal: list[int] = []  # speculative tokens to verify after the pending one (not in token_ids)
         self.proposal_probs = None  # their proposer's distributions [k, V]; None: each was certain
         self._emitted = 0  # characters of text already streamed

@@ -16,7 +16,8 @@ import numpy as np
 
 from llmc.errors import RequestError
 
-__all__ = ["SamplingParams", "Sampler", "distribution", "make_rng", "sample_from", "verify"]
+__all__ = ["SamplingParams", "Sampler", "TokenLogprob", "distribution", "make_rng", "sample_from", "token_logprob",
+           "verify"]
 
 
 def _is_int(value: object) -> bool:
@@ -40,6 +41,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # also return each output token's log-probability and this many top ones
 
     def __post_init__(self) -> None:
         # The dataclass is frozen, so normalized values go in through object.__setattr__.
@@ -100,9 +102,34 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be True or False (got {self.ignore_eos!r})")
 
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an int from 0 to {MAX_LOGPROBS} (got {self.logprobs!r}); 0 gives "
+                               "each token's own log-probability only")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MAX_LOGPROBS = 20  # OpenAI's own limit on top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the model (its raw logits, before temperature or
+    filtering, as OpenAI's API reports them) and the `top` most likely tokens' (id, log-probability)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    shifted = logits.astype(np.float64) - logits.max()
+    logp = shifted - np.log(np.exp(shifted).sum())
+    best = np.argpartition(logp, -top)[-top:] if top else np.array([], dtype=np.int64)
+    best = best[np.argsort(-logp[best], kind="stable")]
+    return TokenLogprob(int(token), float(logp[token]), tuple((int(i), float(logp[i])) for i in best))
 
 
 def make_rng(params: SamplingParams) -> np.random.Generator:

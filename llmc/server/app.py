@@ -223,20 +223,26 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
+    tokenizer = server.engine.llm.tokenizer
     if body.stream:
         async def events() -> AsyncIterator[str]:
             choices = server.choices(streams)
             counts = [0] * len(streams)
             try:
                 first = [True] * len(streams)
+                sent = [0] * len(streams)  # log-probabilities already streamed, per choice
                 async for index, out in choices:
                     counts[index] = len(out.token_ids)
                     finish = _finish_reason(out)
+                    logprobs = None
+                    if out.logprobs is not None:
+                        logprobs = _logprobs(tokenizer, out.logprobs[sent[index]:], chat)
+                        sent[index] = len(out.logprobs)
                     if chat:
                         delta = {"role": "assistant", "content": out.delta} if first[index] else {"content": out.delta}
-                        choice = {"index": index, "delta": delta, "finish_reason": finish}
+                        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                     else:
-                        choice = {"index": index, "text": out.delta, "logprobs": None, "finish_reason": finish}
+                        choice = {"index": index, "text": out.delta, "logprobs": logprobs, "finish_reason": finish}
                     first[index] = False
                     chunk = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
                              "model": server.model, "choices": [choice]}
@@ -277,13 +283,37 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
     results = []
     for index in range(len(streams)):
         out = finals[index]
+        logprobs = None if out.logprobs is None else _logprobs(tokenizer, out.logprobs, chat)
         if chat:
             results.append({"index": index, "message": {"role": "assistant", "content": out.text},
-                            "logprobs": None, "finish_reason": _finish_reason(out)})
+                            "logprobs": logprobs, "finish_reason": _finish_reason(out)})
         else:
-            results.append({"index": index, "text": out.text, "logprobs": None, "finish_reason": _finish_reason(out)})
+            results.append({"index": index, "text": out.text, "logprobs": logprobs,
+                            "finish_reason": _finish_reason(out)})
     return {"id": rid, "object": kind, "created": created, "model": server.model, "choices": results,
             "usage": usage(sum(len(o.token_ids) for o in finals.values()))}
+
+
+def _logprobs(tokenizer, entries, chat: bool) -> dict:
+    """OpenAI's logprobs object of these tokens: chat's `content` list, or completions' columns.
+    A token's text is what it decodes to alone."""
+    def text(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens=False)
+
+    if chat:
+        def item(token: int, logprob: float) -> dict:
+            t = text(token)
+            return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+
+        return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
+                            for e in entries]}
+    tokens = [text(e.token) for e in entries]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(i): lp for i, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 def _finish_reason(out: RequestOutput) -> str | None:

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmc.runtime.sampling import SamplingParams
+from llmc.runtime.sampling import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -38,7 +38,12 @@ class _Sampling(BaseModel):
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k,
                               seed=None if self.seed is None else self.seed + index, stop=stop,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, logprobs=self.top_logprobs_wanted)
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """How many top log-probabilities per token the request asks for (None: no logprobs)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -48,6 +53,11 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(min_length=1)
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's completions default
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -59,6 +69,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
