@@ -7,6 +7,7 @@ Each test runs under asyncio.wait_for, so a stream that never ends fails it inst
 from __future__ import annotations
 
 import asyncio
+import threading
 import random
 
 import pytest
@@ -50,7 +51,7 @@ def test_every_stream_ends_under_random_aborts_and_failing_consumers(llama_engin
     for i in range(150):
         prompt = rng.choice([f"{shared} question {i}", f"prompt {i}", [rng.randrange(1, 200) for _ in range(5)]])
         behaviour = rng.choice(["read", "read", "abort_at_end", "abort_early", "raise", "close"])
-        jobs.append((f"s{i}", prompt, rng.randint(1, 6), behaviour, rng.randint(1, 3)))
+        jobs.append((f"s{i}", prompt, rng.randint(1, 24), behaviour, rng.randint(1, 3)))
     aborted: set[str] = set()  # ids whose abort() returned True
     finals: dict[str, tuple] = {}  # id -> (last snapshot, joined deltas, max_tokens) of streams read to the end
     live: set[str] = set()  # streams their consumer did not close (one that raised leaves its stream open)
@@ -132,9 +133,16 @@ def test_abort_racing_the_step_in_flight(llama_engine, abort_at, expect):
 
         def step():
             results = real_step()
-            for _, out in results:  # queued on the loop ahead of the step's results
+            for _, out in results or ():  # queued on the loop ahead of the step's results
                 if len(out.token_ids) == abort_at:
-                    loop.call_soon_threadsafe(lambda rid=out.request_id: answers.append(engine.abort(rid)))
+                    aborted = threading.Event()
+
+                    def abort(rid=out.request_id):
+                        answers.append(engine.abort(rid))
+                        aborted.set()
+
+                    loop.call_soon_threadsafe(abort)
+                    aborted.wait(10)  # the engine thread steps again only after the abort landed
             return results
 
         engine._step = step

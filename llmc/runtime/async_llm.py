@@ -1,7 +1,8 @@
 """AsyncLLM: an asyncio front for servers.
 
-The engine loop runs in a worker thread (a step is numpy + ONNX Runtime, which release the GIL),
-so the event loop stays free to accept requests. Each request gets an async iterator of
+The engine steps in a thread of its own (a step is numpy + ONNX Runtime, which release the GIL)
+and hands each step's results to the event loop, which stays free to accept requests and streams
+one step's tokens while the next step computes. Each request gets an async iterator of
 RequestOutput snapshots (cumulative tokens and text, plus the `delta` text since the previous
 snapshot: one token's, so a speculative step that keeps several tokens yields several snapshots);
 `abort` frees its blocks at once.
@@ -37,9 +38,11 @@ class _Stream:
 class AsyncLLM:
     def __init__(self, engine_dir: str | Path, **options):
         self.llm = LLM(engine_dir, **options)
-        self._lock = threading.Lock()  # the scheduler is touched by the worker thread and the loop
+        self._lock = threading.Lock()  # the scheduler is touched by the engine thread and the loop
         self._streams: dict[str, _Stream] = {}  # open streams; touched on the loop only
-        self._loop_task: asyncio.Task | None = None
+        self._wake = threading.Event()  # set when there may be work for the engine thread
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # where step results are delivered
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                           request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -48,8 +51,11 @@ class AsyncLLM:
         with self._lock:  # output() is None once the request finished: take it before a step can run
             rid = self.llm.add_request(prompt, params, request_id)
             stream = self._streams[rid] = _Stream(self.llm.output(rid))
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        self._loop = asyncio.get_running_loop()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._engine, name="llmc-engine", daemon=True)
+            self._thread.start()
+        self._wake.set()
         return self._outputs(rid, stream)
 
     def abort(self, request_id: str) -> bool:
@@ -90,8 +96,31 @@ class AsyncLLM:
             if self._streams.get(rid) is stream:  # closed early: nobody will read the rest
                 self.abort(rid)
 
-    def _step(self) -> list[tuple[RequestOutput, RequestOutput]]:
+    def _engine(self) -> None:
+        """The engine thread: steps while there is work and hands each step's snapshots to the
+        loop, so the next step computes while the loop streams the last one's tokens."""
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while True:
+                try:
+                    results = self._step()
+                except Exception as exc:  # ends every open stream rather than leave its consumer waiting
+                    results = exc
+                if results is None:
+                    break
+                try:
+                    self._loop.call_soon_threadsafe(self._deliver, results)
+                except RuntimeError:  # the loop is closed: nobody is left to stream to
+                    break
+                if isinstance(results, Exception):
+                    break
+
+    def _step(self) -> list[tuple[RequestOutput, RequestOutput]] | None:
+        """One engine step's (live output, snapshot) pairs; None when there is nothing to do."""
         with self._lock:
+            if not self.llm.has_unfinished():
+                return None
             return [(r.out, snapshot) for r in self.llm.step() for snapshot in self._snapshots(r)]
 
     @staticmethod
@@ -108,23 +137,19 @@ class AsyncLLM:
             snapshots.append(out)
         return snapshots
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self.llm.has_unfinished():
-            try:
-                results = await loop.run_in_executor(None, self._step)
-            except Exception as exc:  # end every open stream rather than leave its consumer waiting
-                self._fail_all(f"engine loop failed: {first_line(exc)}")
-                return
-            for live, out in results:
-                stream = self._streams.get(out.request_id)
-                if stream is None or stream.out is not live:  # aborted while the step ran (its id may be reused)
-                    continue
-                stream.sent += len(out.delta)
-                stream.queue.put_nowait(out)
-                if out.finished:
-                    del self._streams[out.request_id]
-
+    def _deliver(self, results) -> None:
+        """On the loop: queue a step's snapshots to their streams."""
+        if isinstance(results, Exception):
+            self._fail_all(f"engine loop failed: {first_line(results)}")
+            return
+        for live, out in results:
+            stream = self._streams.get(out.request_id)
+            if stream is None or stream.out is not live:  # aborted while the step ran (its id may be reused)
+                continue
+            stream.sent += len(out.delta)
+            stream.queue.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]
 
 def _copy(out: RequestOutput) -> RequestOutput:
     """A snapshot of a live output: its lists go on growing in the engine thread."""
