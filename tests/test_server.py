@@ -208,10 +208,13 @@ def test_64_streams_with_random_disconnects_leave_the_rest_identical_and_the_poo
     def delta(name, labels=(("model_name", "code"),)):
         return after.get((name, labels), 0) - before.get((name, labels), 0)
 
-    finished = sum(delta("vllm:request_success_total", (("finished_reason", r), ("model_name", "code")))
-                   for r in ("length", "stop", "abort"))
-    assert finished == 64
-    assert delta("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "code"))) == 48
+    def ended(reason):
+        return delta("vllm:request_success_total", (("finished_reason", reason), ("model_name", "code")))
+
+    # A dropped request ends as "abort", or as "length" when the server finished it before the
+    # client went away (the engine runs ahead of a slow reader); every one is counted once.
+    assert ended("length") + ended("abort") == 64 and ended("stop") == 0
+    assert ended("length") >= 48 and ended("abort") >= 1
     assert delta("vllm:prompt_tokens_total") == sum(len(local.encode(p)) for p in prompts)
 
 
@@ -262,20 +265,26 @@ def test_sigterm_stops_accepting_drains_running_streams_then_exits(code_engine):
     client = _client(s)
     result = {}
 
+    started = threading.Event()
+
     def stream():
-        chunks = client.completions.create(model="code", prompt="def main():\n", max_tokens=150, stream=True,
-                                           extra_body={"ignore_eos": True})
-        result["chunks"] = [c.choices[0] for c in chunks]
+        chunks, seen = client.completions.create(model="code", prompt="def main():\n", max_tokens=240, stream=True,
+                                                 extra_body={"ignore_eos": True}), []
+        for c in chunks:
+            seen.append(c.choices[0])
+            started.set()
+        result["chunks"] = seen
 
     reader = threading.Thread(target=stream)
     reader.start()
-    time.sleep(0.5)  # the stream is running
+    assert started.wait(30)  # the stream is running: its first token arrived
     s.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    time.sleep(0.1)  # uvicorn has closed its listening socket
     with pytest.raises(openai.APIConnectionError):
         client.completions.create(model="code", prompt="x", max_tokens=2)
+    assert reader.is_alive()  # still streaming after SIGTERM and the refused connection: it is drained
     reader.join(timeout=60)
-    assert len(result["chunks"]) == 150 and result["chunks"][-1].finish_reason == "length"
+    assert len(result["chunks"]) == 240 and result["chunks"][-1].finish_reason == "length"
     assert s.proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
 
 
