@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -457,8 +458,9 @@ def cpu_times(pids) -> tuple[float, float] | None:
         return None
 
 
-def weight_bytes(folder: Path) -> int:
-    """Bytes of weights one decode step reads: every tensor, but an untied embedding only one row."""
+def _decode_step_reads(folder: Path, size) -> int:
+    """What one decode step reads of the safetensors in `folder`, each tensor counted as size(bytes,
+    shape): every tensor, but an untied embedding only one row (a Gather reads one row a token)."""
     cfg = json.loads((folder / "config.json").read_text())
     total, embed, row = 0, 0, 0
     for f in sorted(folder.glob("*.safetensors")):
@@ -467,35 +469,23 @@ def weight_bytes(folder: Path) -> int:
         for name, t in header.items():
             if name == "__metadata__":
                 continue
-            n = t["data_offsets"][1] - t["data_offsets"][0]
+            n = size(t["data_offsets"][1] - t["data_offsets"][0], t["shape"])
             total += n
             if name.endswith("embed_tokens.weight"):
                 embed, row = n, n // t["shape"][0]
     if not cfg.get("tie_word_embeddings", False):
         total += row - embed
     return total
+
+
+def weight_bytes(folder: Path) -> int:
+    """Bytes of weights one decode step reads."""
+    return _decode_step_reads(folder, lambda nbytes, shape: nbytes)
 
 
 def parameter_count(folder: Path) -> int:
-    """Parameters one decode step reads, as weight_bytes counts bytes: every tensor, but an untied
-    embedding only one row."""
-    cfg = json.loads((folder / "config.json").read_text())
-    total, embed, row = 0, 0, 0
-    for f in sorted(folder.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            n = 1
-            for d in t["shape"]:
-                n *= d
-            total += n
-            if name.endswith("embed_tokens.weight"):
-                embed, row = n, n // t["shape"][0]
-    if not cfg.get("tie_word_embeddings", False):
-        total += row - embed
-    return total
+    """Parameters one decode step reads, counted as weight_bytes counts bytes."""
+    return _decode_step_reads(folder, lambda nbytes, shape: math.prod(shape))
 
 
 def gguf_tensors(path: Path) -> dict[str, tuple[int, list[int]]]:
