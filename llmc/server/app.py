@@ -190,8 +190,7 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         rid, streams = await server.start(body, body.prompt, 16)
-        return await _respond(server, request, body, rid, streams, chat=False,
-                              prompt_tokens=_prompt_tokens(server, body.prompt))
+        return await _respond(server, request, body, rid, streams, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -205,34 +204,29 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
         except RequestError as exc:
             raise HttpError(400, str(exc), "messages") from None
         rid, streams = await server.start(body, ids, max(1, llm.max_context - len(ids)))
-        return await _respond(server, request, body, rid, streams, chat=True, prompt_tokens=len(ids))
+        return await _respond(server, request, body, rid, streams, chat=True)
 
     return app
 
 
-def _prompt_tokens(server: _Server, prompt) -> int:
-    return len(prompt) if isinstance(prompt, list) else len(server.engine.llm.encode(prompt))
-
-
-async def _respond(server: _Server, request: Request, body: _Sampling, rid: str, streams, chat: bool,
-                   prompt_tokens: int):
+async def _respond(server: _Server, request: Request, body: _Sampling, rid: str, streams, chat: bool):
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"
 
-    def usage(completion_tokens: int) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+    def usage(outs) -> dict:  # the prompt as the engine tokenized it, once per request (not per choice)
+        prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     tokenizer = server.engine.llm.tokenizer
     if body.stream:
         async def events() -> AsyncIterator[str]:
             choices = server.choices(streams)
-            counts = [0] * len(streams)
+            latest: dict[int, RequestOutput] = {}  # each choice's newest snapshot
             try:
                 first = [True] * len(streams)
                 sent = [0] * len(streams)  # log-probabilities already streamed, per choice
                 async for index, out in choices:
-                    counts[index] = len(out.token_ids)
+                    latest[index] = out
                     finish = _finish_reason(out)
                     logprobs = None
                     if out.logprobs is not None:
@@ -249,7 +243,7 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
                     yield f"data: {json.dumps(chunk)}\n\n"
                 if body.include_usage:
                     chunk = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
-                             "model": server.model, "choices": [], "usage": usage(sum(counts))}
+                             "model": server.model, "choices": [], "usage": usage(list(latest.values()))}
                     yield f"data: {json.dumps(chunk)}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
@@ -291,7 +285,7 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
             results.append({"index": index, "text": out.text, "logprobs": logprobs,
                             "finish_reason": _finish_reason(out)})
     return {"id": rid, "object": kind, "created": created, "model": server.model, "choices": results,
-            "usage": usage(sum(len(o.token_ids) for o in finals.values()))}
+            "usage": usage(list(finals.values()))}
 
 
 def _logprobs(tokenizer, entries, chat: bool) -> dict:
