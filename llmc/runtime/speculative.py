@@ -192,11 +192,6 @@ class _RowState:
         return self.hits / self.trials
 
 
-@dataclass
-class _Probe:
-    wait: float = 0.0  # seconds of decoding at this batch size left before the next probe
-
-
 class Speculator:
     """Proposes for decoding requests before each step and learns from what was accepted."""
 
@@ -208,7 +203,7 @@ class Speculator:
         self.caps = sorted({0, max_tokens} | {1 << i for i in range(max_tokens.bit_length()) if 1 << i < max_tokens})
         self._rows: dict[str, _RowState] = {}
         self._runs: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (batch bucket, cap): (tokens, seconds)
-        self._probes: dict[int, _Probe] = {}  # per batch bucket
+        self._probe_wait: dict[int, float] = {}  # per batch bucket: seconds of decoding left before a probe
         self._lost: set[int] = set()  # batch buckets where speculating measured no faster
         self._probing = False  # the running step measures a cap rather than uses the best
         self._pending: tuple[int, int] | None = None  # the running step's (bucket, cap)
@@ -270,8 +265,7 @@ class Speculator:
             self._lost.add(bucket)
         else:
             self._lost.discard(bucket)
-        probe = self._probes.setdefault(bucket, _Probe())
-        if probe.wait <= 0 and best + 1 < len(self.caps):
+        if self._probe_wait.get(bucket, 0.0) <= 0 and best + 1 < len(self.caps):
             self._probing = True
             return self.caps[best + 1]
         return self.caps[best]
@@ -301,8 +295,8 @@ class Speculator:
         seconds = time.perf_counter() - self._started
         if pending is None:
             return
-        probe = self._probes.setdefault(pending[0], _Probe())
-        probe.wait = PROBE_COST * seconds if probing else probe.wait - seconds
+        bucket = pending[0]
+        self._probe_wait[bucket] = PROBE_COST * seconds if probing else self._probe_wait.get(bucket, 0.0) - seconds
         if tokens:
             self._runs.setdefault(pending, deque(maxlen=RUNS_KEPT)).append((tokens, seconds))
 
