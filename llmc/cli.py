@@ -332,8 +332,11 @@ def tune(engine, workload, objective, budget, build_knobs, output, fresh, no_plo
 @click.option("--speculative", default=None, help="ngram or a draft engine's directory.")
 @click.option("--num-speculative-tokens", type=int, default=None)
 @click.option("--no-tuning", is_flag=True, help="Ignore the engine's tuning.json.")
+@click.option("--replicas", type=click.IntRange(1, 256), default=None,
+              help="Serve this many replicas (each with --threads CPUs, default 1) behind Ray Serve's proxy and "
+                   "llmc's load-aware router; needs pip install 'llmc[ray]'.")
 def serve(engine, host, port, model_name, chat_template, max_waiting, grace_period, threads, speculative,
-          num_speculative_tokens, no_tuning):
+          num_speculative_tokens, no_tuning, replicas):
     """Serve ENGINE over an OpenAI-compatible HTTP API (completions, chat, models, health, metrics)."""
     try:
         import uvicorn
@@ -347,6 +350,17 @@ def serve(engine, host, port, model_name, chat_template, max_waiting, grace_peri
     options = RuntimeOptions.given(dict(num_threads=threads, speculative=speculative,
                                         num_speculative_tokens=num_speculative_tokens))
     open_engine(engine, verify_checksums=False)  # a bad engine is one line now, not a 503 later
+    if replicas is not None:
+        try:
+            from llmc.server import ray_serve
+        except ImportError as exc:
+            raise LlmcError(f"--replicas needs Ray Serve ({exc.name} is missing); pip install 'llmc[ray]'") from None
+        click.echo(f"serving {engine} on http://{host}:{port}/v1 with {replicas} replicas of {threads or 1} "
+                   "thread(s) behind Ray Serve", err=True)
+        ray_serve.run(engine, host=host, port=port, replicas=replicas, threads=threads or 1, model=model_name,
+                      options={**options, "use_tuning": not no_tuning}, chat_template=chat_template,
+                      max_waiting=max_waiting, grace_period=grace_period)
+        return
     app = create_app(engine, model=model_name, options={**options, "use_tuning": not no_tuning},
                      chat_template=chat_template, max_waiting=max_waiting)
     click.echo(f"serving {engine} on http://{host}:{port}/v1 (model {model_name or Path(engine).name})", err=True)

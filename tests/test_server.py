@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -44,10 +45,11 @@ class _Server:
                     if r.status == 200:
                         return
             except urllib.error.HTTPError as exc:
-                assert exc.code == 503  # loading
+                assert exc.code in (503, 404)  # loading (404: Ray's proxy, before the app's routes are up)
             except OSError:
                 pass
             if self.proc.poll() is not None or time.time() > deadline:
+                self.close()
                 raise RuntimeError(f"llmc serve did not come up: {self.proc.stderr.read()}")
             time.sleep(0.2)
 
@@ -372,3 +374,101 @@ def test_logprobs_match_in_process_streamed_and_not(server, local):
     assert len(content) == 6 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
     status, error, _ = server.post("/v1/completions", '{"prompt": "x", "logprobs": 21}')
     assert status == 400 and error["error"]["param"] == "logprobs"
+
+
+# -- scale-out: `llmc serve --replicas 2` behind Ray Serve --------------------------------------
+
+@pytest.fixture(scope="module")
+def replicas(code_engine):
+    pytest.importorskip("ray.serve", reason="the scale-out tests need Ray Serve: pip install 'llmc[ray]'")
+    s = _Server(code_engine, "--replicas", 2, "--threads", 1)
+    seen, deadline = set(), time.time() + 120
+    while len(seen) < 2 and time.time() < deadline:  # /health answers once one replica is up
+        with urllib.request.urlopen(s.url + "/health", timeout=5) as r:
+            seen.add(r.headers["llmc-replica"])
+        time.sleep(0.1)
+    assert len(seen) == 2, f"one replica of two came up in 120 s: {seen}"
+    yield s
+    s.close()
+    assert s.proc.returncode == 0, s.proc.stderr.read()  # SIGTERM shut Ray down cleanly
+
+
+def _replica_processes(server) -> list:
+    """The replicas' processes: Ray's workers, started by the raylet that `llmc serve` started."""
+    import psutil
+
+    return [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+            if p.name().startswith("ray::ServeReplica")]
+
+
+def test_two_replicas_answer_like_in_process_and_share_the_work(replicas, local):
+    prompts = [f"def g{i}(items):\n" for i in range(16)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+
+    async def one(client, i):
+        raw = await client.completions.with_raw_response.create(
+            model="code", prompt=prompts[i], max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+        return raw.headers["llmc-replica"], raw.parse().choices[0].text
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=replicas.url + "/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    answers = asyncio.run(main())
+    assert [text for _, text in answers] == [local.generate(p, params).text for p in prompts]
+    served_by = Counter(name for name, _ in answers)
+    assert len(served_by) == 2 and min(served_by.values()) >= 5, served_by  # the router balanced the burst
+    chunks = _client(replicas).completions.create(model="code", prompt=prompts[0], max_tokens=20, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks) == answers[0][1]
+
+
+def test_a_replica_killed_mid_run_loses_no_request(replicas, local):
+    """One replica's process dies while 24 streams run on both: its streams fail (the client sees
+    the stream break or an error status), every other one completes identical to in-process, each
+    request is counted once, and the deployment serves new requests afterwards."""
+    prompts = [f"def h{i}(data):\n" for i in range(24)]
+
+    async def one(client, i, first_token):
+        try:
+            stream = await client.completions.create(model="code", prompt=prompts[i], max_tokens=160,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+            text = ""
+            async for chunk in stream:
+                text += chunk.choices[0].text
+                first_token.set()
+            return "completed", text
+        except (openai.APIError, openai.APIConnectionError) as exc:
+            return "failed", type(exc).__name__
+
+    async def main():
+        first_token = asyncio.Event()
+        client = openai.AsyncOpenAI(base_url=replicas.url + "/v1", api_key="unused", max_retries=0,
+                                    timeout=120)
+        tasks = [asyncio.create_task(one(client, i, first_token)) for i in range(24)]
+        await asyncio.wait_for(first_token.wait(), 60)
+        await asyncio.sleep(0.3)
+        victims = _replica_processes(replicas)
+        assert len(victims) == 2, victims
+        victims[0].kill()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 180)  # none hangs
+
+    outcomes = asyncio.run(main())
+    completed = [(i, text) for i, (kind, text) in enumerate(outcomes) if kind == "completed"]
+    failed = [i for i, (kind, _) in enumerate(outcomes) if kind == "failed"]
+    assert len(completed) + len(failed) == 24 and failed and completed, outcomes
+    params = SamplingParams(max_tokens=160, ignore_eos=True)
+    for i, text in completed:
+        assert text == local.generate(prompts[i], params).text, i
+    after = _client(replicas).completions.create(model="code", prompt=prompts[0], max_tokens=8, temperature=0)
+    assert after.choices[0].text == local.generate(prompts[0], SamplingParams(max_tokens=8)).text
+
+
+def test_the_router_ranks_replicas_by_slots_in_use_and_kv_usage():
+    ray_serve = pytest.importorskip("llmc.server.ray_serve", reason="needs Ray Serve")
+    load = ray_serve.engine_load
+    idle = {"kv_usage": 0.0, "max_num_seqs": 16}
+    assert load(idle, 0) == 0.0 and load(idle, 8) == 0.5
+    assert load({"kv_usage": 0.9, "max_num_seqs": 16}, 20) == pytest.approx(20 / 16 + 0.9)
+    assert load({}, 4) == load(idle, 4)  # a replica that has not reported yet: the defaults
+    assert load({**idle, "kv_usage": 0.8}, 2) > load(idle, 8)  # a nearly full cache outweighs a few requests

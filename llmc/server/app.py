@@ -136,7 +136,11 @@ class _Server:
 
 
 def create_app(engine_dir: str | Path, *, model: str | None = None, options: dict | None = None,
-               chat_template: str | Path | None = None, max_waiting: int = 256) -> FastAPI:
+               chat_template: str | Path | None = None, max_waiting: int = 256,
+               load_before_serving: bool = False) -> FastAPI:
+    """`load_before_serving`: the app starts only once the engine is loaded (a replica behind a
+    router, which must not be sent requests it would answer 503); otherwise it answers at once and
+    `/health` says when the engine is ready."""
     engine_dir = Path(engine_dir)
     server = _Server(engine_dir, model or engine_dir.name, options or {},
                      Path(chat_template) if chat_template else None, max_waiting)
@@ -144,6 +148,10 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loading = asyncio.get_running_loop().run_in_executor(None, server.load)
+        if load_before_serving:
+            await loading
+            if server.load_error:
+                raise RuntimeError(f"the engine failed to load: {server.load_error}")
         yield
         await loading
 
