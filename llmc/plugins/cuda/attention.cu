@@ -1,0 +1,618 @@
+// llmc's paged attention on CUDA (sm_80 and later): the op of llmc/plugins/paged_attention.py.
+//
+// One call = kv_write (the step's new K/V into the paged cache, in place) followed by one
+// attention kernel and, when the context is split, a reduce kernel. The attention kernel is one
+// tiled online-softmax body instantiated twice:
+//   decode  (16 query rows per CTA): a CTA owns one KV head of one sequence and every query head
+//           that reads it (GQA), so each K/V tile is loaded once for the whole group; the context
+//           is split into partitions (flash-decoding) so that a few long rows still fill the GPU,
+//           and paged_attention_split_reduce merges the per-partition (max, sum, output) triples.
+//   prefill (64 query rows per CTA): S > 1 new tokens x the group's heads, attending to the paged
+//           prefix and causally to themselves; split only when there are too few row tiles.
+// A query "row" is one (new token, query head of the group) pair, flattened token-major, so a
+// tile holds whole GQA groups and any group size works (a tile may end mid-group).
+// Both matrix products run on tensor cores through WMMA with fp32 accumulation; the softmax and
+// all bookkeeping are fp32. K/V tiles stream through a two-stage cp.async pipeline.
+
+#include "llmc_attention.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "llmc's attention kernels need sm_80 or newer (cp.async, bf16 tensor cores)"
+#endif
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+
+namespace llmc {
+
+namespace wmma = nvcuda::wmma;
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kKvTile = 32;          // tokens per K/V tile: one lane per token in the softmax
+constexpr int kPad = 8;              // 16 bytes per 16-bit row: rows start 4 banks apart
+constexpr int kFloatPad = 4;         // WMMA wants float strides in multiples of 4
+constexpr int kDecodeRows = 16;
+constexpr int kPrefillRows = 64;
+// Splits are sized so that a launch has about this many CTAs (a few waves on 108-132 SMs); a fixed
+// number, not the device's SM count, so the workspace size depends on the shapes alone.
+constexpr int kTargetCtas = 512;
+constexpr int kMinPartition = 256;   // tokens: below this a split's fixed cost outweighs its work
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct Params {
+    const void* query;
+    const void* key;
+    const void* value;
+    void* cache;
+    void* output;
+    const int32_t* past_lens;
+    const int32_t* query_lens;
+    const int32_t* block_tables;
+    float* partial_o;                // [B, Hq, rows_seq, splits, D], unnormalized
+    float2* partial_ml;              // [B, Hq, rows_seq, splits] (max in log2 units, sum)
+    int64_t cache_half;              // elements of the K half of the cache
+    int batch, seq, rows_seq, num_heads, num_kv_heads, group, head_dim;
+    int num_blocks, block_size, max_blocks;
+    int window;
+    float scale, softcap;
+    int num_splits, partition;       // partition: tokens per split, a multiple of kKvTile
+};
+
+template <typename T> struct Num;
+template <> struct Num<__half> {
+    static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+template <> struct Num<__nv_bfloat16> {
+    static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+template <typename T> struct alignas(16) Pack8 { T v[8]; };
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// 16-byte async copy; with fill == false it writes zeros instead, so masked or missing tokens
+// never bring stale (possibly NaN) pool bytes into a product where 0 * NaN would poison a row.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fill) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const int bytes = fill ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__host__ __device__ constexpr size_t round128(size_t x) { return (x + 127) / 128 * 128; }
+__host__ __device__ constexpr size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
+
+// Shared memory of one attention CTA. The fp32 output staging of the epilogue reuses the K/V
+// buffers, which are dead by then.
+template <int D, int M> struct Smem {
+    static constexpr int kLd = D + kPad;              // Q, K, V rows (16-bit elements)
+    static constexpr int kSld = kKvTile + kFloatPad;  // scores (floats)
+    static constexpr int kPld = kKvTile + kPad;       // probabilities (16-bit)
+    static constexpr int kOld = D + kFloatPad;        // output staging (floats)
+    static constexpr size_t kQ = size_t(M) * kLd * 2;
+    static constexpr size_t kKvStage = size_t(kKvTile) * kLd * 2;
+    static constexpr size_t kKvo = max_size(4 * kKvStage, size_t(M) * kOld * 4);  // K, V x 2 stages
+    static constexpr size_t kS = size_t(M) * kSld * 4;
+    static constexpr size_t kP = size_t(M) * kPld * 2;
+    static constexpr size_t kStats = size_t(3) * M * 4;
+    static constexpr size_t q_off = 0;
+    static constexpr size_t kvo_off = q_off + round128(kQ);
+    static constexpr size_t s_off = kvo_off + round128(kKvo);
+    static constexpr size_t p_off = s_off + round128(kS);
+    static constexpr size_t stat_off = p_off + round128(kP);
+    static constexpr size_t bytes = stat_off + round128(kStats);
+};
+
+template <typename T, int D, int M>
+__device__ __forceinline__ void attend(const Params& p) {
+    using L = Smem<D, M>;
+    constexpr int kChunks = D / 8;           // 16-byte chunks per head row
+    constexpr int kRowBlocks = M / 16;
+    constexpr int kColBlocks = D / 16;
+    constexpr int kFragsPerWarp = kRowBlocks * kColBlocks / kWarps;
+    static_assert(kRowBlocks * kColBlocks % kWarps == 0, "output fragments must spread evenly over warps");
+    static_assert(M >= 16 && M % 16 == 0, "row tile must be whole WMMA tiles");
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* q_s = reinterpret_cast<T*>(smem + L::q_off);
+    T* k_s = reinterpret_cast<T*>(smem + L::kvo_off);
+    T* v_s = k_s + 2 * kKvTile * L::kLd;
+    float* o_s = reinterpret_cast<float*>(smem + L::kvo_off);
+    float* s_s = reinterpret_cast<float*>(smem + L::s_off);
+    T* p_s = reinterpret_cast<T*>(smem + L::p_off);
+    float* m_s = reinterpret_cast<float*>(smem + L::stat_off);
+    float* l_s = m_s + M;
+    float* a_s = l_s + M;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int row_tiles = gridDim.x / p.num_splits;
+    const int split = blockIdx.x % p.num_splits;
+    // Later tokens see longer contexts: starting the heaviest row tiles first shortens the tail.
+    const int tile = row_tiles - 1 - static_cast<int>(blockIdx.x) / p.num_splits;
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    const int G = p.group;
+    const int row0 = tile * M;
+    const int rows_total = p.rows_seq * G;
+    const int past = p.past_lens[b];
+    const int qlen = past < 0 ? 0 : min(p.query_lens[b], p.rows_seq);
+
+    // The token range the tile's rows attend to, in K/V tiles; positions grow with the row index.
+    const int j_first = row0 / G;
+    const int j_last = min((row0 + M - 1) / G, qlen - 1);
+    const bool any_row = j_first <= j_last;
+    const int t_end = any_row ? past + j_last + 1 : 0;
+    const int t_lo = (any_row && p.window > 0) ? max(0, past + j_first - p.window + 1) : 0;
+    int tile_first = t_lo / kKvTile;
+    int tile_last = (t_end + kKvTile - 1) / kKvTile;
+    if (p.num_splits > 1) {
+        const int per = p.partition / kKvTile;
+        tile_first = max(tile_first, split * per);
+        tile_last = min(tile_last, (split + 1) * per);
+        // The reduce reads a row's split only if it overlaps the row's range, which is non-empty here.
+        if (!any_row || tile_first >= tile_last) return;
+    }
+    const int n_tiles = max(0, tile_last - tile_first);
+
+    const T* query = static_cast<const T*>(p.query);
+    const T* k_cache = static_cast<const T*>(p.cache);
+    const T* v_cache = k_cache + p.cache_half;
+    const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks;
+
+    for (int c = tid; c < M * kChunks; c += kThreads) {
+        const int r = c / kChunks, dc = c % kChunks;
+        const int rg = row0 + r, j = rg / G, g = rg % G;
+        const bool ok = rg < rows_total && j < qlen;
+        const T* src = query;
+        if (ok) src += ((static_cast<int64_t>(b) * p.num_heads + kvh * G + g) * p.seq + j) * D + dc * 8;
+        cp_async16(q_s + r * L::kLd + dc * 8, src, ok);
+    }
+
+    auto load_tile = [&](int kv_tile, int stage) {
+        const int t0 = kv_tile * kKvTile;
+        for (int c = tid; c < kKvTile * kChunks; c += kThreads) {
+            const int i = c / kChunks, dc = c % kChunks;
+            const int t = t0 + i;
+            const int col = t / p.block_size;
+            int blk = -1;
+            if (t >= t_lo && t < t_end && col < p.max_blocks) blk = table[col];
+            const bool ok = blk >= 0 && blk < p.num_blocks;
+            int64_t off = 0;
+            if (ok) off = ((static_cast<int64_t>(blk) * p.block_size + t % p.block_size) * p.num_kv_heads + kvh) * D + dc * 8;
+            const int dst = (stage * kKvTile + i) * L::kLd + dc * 8;
+            cp_async16(k_s + dst, k_cache + off, ok);
+            cp_async16(v_s + dst, v_cache + off, ok);
+        }
+    };
+
+    // WMMA does not document which (row, col) each accumulator element holds; loading a tile of
+    // row numbers into an accumulator fragment reveals it, so O can be rescaled per row in place.
+    for (int i = tid; i < 16 * 16; i += kThreads) s_s[(i / 16) * L::kSld + i % 16] = static_cast<float>(i / 16);
+    for (int r = tid; r < M; r += kThreads) {
+        m_s[r] = -INFINITY;
+        l_s[r] = 0.f;
+        a_s[r] = 1.f;
+    }
+    __syncthreads();
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> row_of;
+    wmma::load_matrix_sync(row_of, s_s, L::kSld, wmma::mem_row_major);
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kFragsPerWarp];
+#pragma unroll
+    for (int i = 0; i < kFragsPerWarp; ++i) wmma::fill_fragment(acc[i], 0.f);
+
+    if (n_tiles > 0) load_tile(tile_first, 0);
+    cp_async_commit();
+
+    for (int n = 0; n < n_tiles; ++n) {
+        const int stage = n & 1;
+        if (n + 1 < n_tiles) load_tile(tile_first + n + 1, stage ^ 1);
+        cp_async_commit();   // possibly empty, so that "all but the newest group" is always tile n
+        cp_async_wait<1>();
+        __syncthreads();
+
+        const T* k_tile = k_s + stage * kKvTile * L::kLd;
+        const T* v_tile = v_s + stage * kKvTile * L::kLd;
+        for (int f = warp; f < kRowBlocks * (kKvTile / 16); f += kWarps) {
+            const int rb = f / (kKvTile / 16), cb = f % (kKvTile / 16);
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sc;
+            wmma::fill_fragment(sc, 0.f);
+#pragma unroll
+            for (int k = 0; k < D / 16; ++k) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
+                wmma::load_matrix_sync(qa, q_s + rb * 16 * L::kLd + k * 16, L::kLd);
+                wmma::load_matrix_sync(kb, k_tile + cb * 16 * L::kLd + k * 16, L::kLd);
+                wmma::mma_sync(sc, qa, kb, sc);
+            }
+            wmma::store_matrix_sync(s_s + rb * 16 * L::kSld + cb * 16, sc, L::kSld, wmma::mem_row_major);
+        }
+        __syncthreads();
+
+        // Online softmax in log2 units: one warp per row, one lane per token of the tile.
+        const int t = (tile_first + n) * kKvTile + lane;
+        for (int r = warp; r < M; r += kWarps) {
+            const int rg = row0 + r, j = rg / G;
+            if (rg >= rows_total || j >= qlen) continue;   // uniform per warp; P is never read for it
+            const int pos = past + j;
+            const bool allowed = t <= pos && (p.window <= 0 || t > pos - p.window);
+            float s = -INFINITY;
+            if (allowed) {
+                float x = s_s[r * L::kSld + lane] * p.scale;
+                if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+                s = x * kLog2e;
+            }
+            const float m_old = m_s[r];
+            const float m_new = fmaxf(m_old, warp_max(s));
+            float prob = 0.f, alpha = 1.f;
+            if (m_new != -INFINITY) {   // else nothing allowed yet: keep O, l at zero
+                prob = allowed ? exp2f(s - m_new) : 0.f;
+                alpha = exp2f(m_old - m_new);
+            }
+            const float sum = warp_sum(prob);
+            p_s[r * L::kPld + lane] = Num<T>::from_float(prob);
+            __syncwarp();
+            if (lane == 0) {
+                m_s[r] = m_new;
+                l_s[r] = l_s[r] * alpha + sum;
+                a_s[r] = alpha;
+            }
+        }
+        __syncthreads();
+
+#pragma unroll
+        for (int i = 0; i < kFragsPerWarp; ++i) {
+            const int f = warp + i * kWarps;
+            const int rb = f / kColBlocks, cb = f % kColBlocks;
+#pragma unroll
+            for (int e = 0; e < acc[i].num_elements; ++e) acc[i].x[e] *= a_s[rb * 16 + static_cast<int>(row_of.x[e])];
+#pragma unroll
+            for (int k = 0; k < kKvTile / 16; ++k) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb;
+                wmma::load_matrix_sync(pa, p_s + rb * 16 * L::kPld + k * 16, L::kPld);
+                wmma::load_matrix_sync(vb, v_tile + k * 16 * L::kLd + cb * 16, L::kLd);
+                wmma::mma_sync(acc[i], pa, vb, acc[i]);
+            }
+        }
+        __syncthreads();   // the next iteration's prefetch overwrites this stage
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+#pragma unroll
+    for (int i = 0; i < kFragsPerWarp; ++i) {
+        const int f = warp + i * kWarps;
+        const int rb = f / kColBlocks, cb = f % kColBlocks;
+        wmma::store_matrix_sync(o_s + rb * 16 * L::kOld + cb * 16, acc[i], L::kOld, wmma::mem_row_major);
+    }
+    __syncthreads();
+
+    if (p.num_splits == 1) {
+        T* out = static_cast<T*>(p.output);
+        for (int c = tid; c < M * kChunks; c += kThreads) {
+            const int r = c / kChunks, dc = c % kChunks;
+            const int rg = row0 + r;
+            if (rg >= rows_total) continue;
+            const int j = rg / G, g = rg % G;
+            const float l = l_s[r];
+            const bool valid = j < qlen && l > 0.f;
+            const float inv = valid ? 1.f / l : 0.f;
+            Pack8<T> pack;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) pack.v[e] = Num<T>::from_float(valid ? o_s[r * L::kOld + dc * 8 + e] * inv : 0.f);
+            const int64_t dst = ((static_cast<int64_t>(b) * p.num_heads + kvh * G + g) * p.seq + j) * D + dc * 8;
+            *reinterpret_cast<Pack8<T>*>(out + dst) = pack;
+        }
+    } else {
+        for (int c = tid; c < M * (D / 4); c += kThreads) {
+            const int r = c / (D / 4), dc = c % (D / 4);
+            const int rg = row0 + r, j = rg / G, g = rg % G;
+            if (rg >= rows_total || j >= qlen) continue;
+            const int64_t prow = ((static_cast<int64_t>(b) * p.num_heads + kvh * G + g) * p.rows_seq + j) * p.num_splits + split;
+            const float* src = o_s + r * L::kOld + dc * 4;
+            *reinterpret_cast<float4*>(p.partial_o + prow * D + dc * 4) = make_float4(src[0], src[1], src[2], src[3]);
+        }
+        for (int r = tid; r < M; r += kThreads) {
+            const int rg = row0 + r, j = rg / G, g = rg % G;
+            if (rg >= rows_total || j >= qlen) continue;
+            const int64_t prow = ((static_cast<int64_t>(b) * p.num_heads + kvh * G + g) * p.rows_seq + j) * p.num_splits + split;
+            p.partial_ml[prow] = make_float2(m_s[r], l_s[r]);
+        }
+    }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) paged_attention_decode(Params p) {
+    attend<T, D, kDecodeRows>(p);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) paged_attention_prefill(Params p) {
+    attend<T, D, kPrefillRows>(p);
+}
+
+// One warp per (row, head, token): merges the splits that overlap the token's attention range,
+// which are exactly the ones whose CTAs wrote its partials.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) paged_attention_split_reduce(Params p) {
+    constexpr int kPer = D / 32;
+    const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    const int64_t rows = static_cast<int64_t>(p.batch) * p.num_heads * p.rows_seq;
+    if (w >= rows) return;
+    const int j = static_cast<int>(w % p.rows_seq);
+    const int h = static_cast<int>(w / p.rows_seq % p.num_heads);
+    const int b = static_cast<int>(w / (static_cast<int64_t>(p.rows_seq) * p.num_heads));
+    T* out = static_cast<T*>(p.output) + ((static_cast<int64_t>(b) * p.num_heads + h) * p.seq + j) * D + lane * kPer;
+    const int past = p.past_lens[b];
+    const int qlen = past < 0 ? 0 : min(p.query_lens[b], p.rows_seq);
+
+    float acc[kPer];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) acc[e] = 0.f;
+    float den = 0.f;
+    if (j < qlen) {
+        const int pos = past + j;
+        const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
+        const int s0 = lo / p.partition, s1 = min(pos / p.partition, p.num_splits - 1);
+        const int64_t prow = w * p.num_splits;
+        float mx = -INFINITY;
+        for (int s = s0 + lane; s <= s1; s += 32) mx = fmaxf(mx, p.partial_ml[prow + s].x);
+        mx = warp_max(mx);
+        for (int s = s0; s <= s1; ++s) {
+            const float2 ml = p.partial_ml[prow + s];
+            if (ml.y <= 0.f) continue;
+            const float scale = exp2f(ml.x - mx);
+            den += scale * ml.y;
+            const float* o = p.partial_o + (prow + s) * D + lane * kPer;
+#pragma unroll
+            for (int e = 0; e < kPer; ++e) acc[e] += scale * o[e];
+        }
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) out[e] = Num<T>::from_float(acc[e] * inv);
+}
+
+// One CTA per (token, row): copies the token's K and V head rows (16 bytes a thread) to its slot.
+// Padding tokens are skipped: their slot would be scratch block 0, which nothing reads.
+__global__ void __launch_bounds__(kThreads) kv_write(Params p) {
+    const int j = blockIdx.x, b = blockIdx.y;
+    const int past = p.past_lens[b];
+    if (past < 0 || j >= min(p.query_lens[b], p.seq)) return;
+    const int pos = past + j;
+    const int col = pos / p.block_size;
+    if (col >= p.max_blocks) return;
+    const int blk = p.block_tables[static_cast<int64_t>(b) * p.max_blocks + col];
+    if (blk < 0 || blk >= p.num_blocks) return;
+    const int chunks = p.head_dim / 8;
+    const int per_token = p.num_kv_heads * chunks;
+    uint4* k_dst = static_cast<uint4*>(p.cache) +
+                   (static_cast<int64_t>(blk) * p.block_size + pos % p.block_size) * per_token;
+    uint4* v_dst = k_dst + p.cache_half / 8;
+    const uint4* key = static_cast<const uint4*>(p.key);
+    const uint4* value = static_cast<const uint4*>(p.value);
+    for (int c = threadIdx.x; c < 2 * per_token; c += blockDim.x) {
+        const bool is_v = c >= per_token;
+        const int cc = is_v ? c - per_token : c;
+        const int h = cc / chunks, dc = cc % chunks;
+        const int64_t src = ((static_cast<int64_t>(b) * p.num_kv_heads + h) * p.seq + j) * chunks + dc;
+        if (is_v) v_dst[cc] = value[src];
+        else k_dst[cc] = key[src];
+    }
+}
+
+struct Plan {
+    int rows_seq;        // query tokens per row the kernels cover (<= seq)
+    bool decode;
+    int row_tiles;
+    int num_splits;
+    int partition;
+    int max_splits;      // before rounding to whole partitions: the bound the workspace is sized by
+};
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+Plan make_plan(const LlmcPagedAttentionArgs& a, int split_cap) {
+    Plan plan{};
+    plan.rows_seq = a.max_query_len > 0 && a.max_query_len < a.seq ? a.max_query_len : a.seq;
+    const int group = a.num_heads / a.num_kv_heads;
+    const int64_t rows = static_cast<int64_t>(plan.rows_seq) * group;
+    plan.decode = rows <= kDecodeRows;
+    plan.row_tiles = static_cast<int>(ceil_div(rows, plan.decode ? kDecodeRows : kPrefillRows));
+    const int64_t ctas = static_cast<int64_t>(a.batch) * a.num_kv_heads * plan.row_tiles;
+    const int64_t context = static_cast<int64_t>(a.max_blocks) * a.block_size;
+    int64_t splits = 1;
+    if (ctas < kTargetCtas) {
+        splits = ceil_div(kTargetCtas, ctas);
+        const int64_t by_length = ceil_div(context, kMinPartition);
+        if (splits > by_length) splits = by_length;
+    }
+    if (splits > split_cap) splits = split_cap;
+    if (splits < 1) splits = 1;
+    plan.max_splits = static_cast<int>(splits);
+    const int64_t tiles = ceil_div(context, kKvTile);
+    const int64_t per = ceil_div(tiles, splits);
+    plan.partition = static_cast<int>(per * kKvTile);
+    plan.num_splits = static_cast<int>(ceil_div(tiles, per));
+    return plan;
+}
+
+size_t partial_bytes(const LlmcPagedAttentionArgs& a, int rows_seq, int splits) {
+    if (splits <= 1) return 0;
+    const size_t rows = static_cast<size_t>(a.batch) * a.num_heads * rows_seq * splits;
+    return rows * a.head_dim * sizeof(float) + rows * sizeof(float2);
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+int check(const LlmcPagedAttentionArgs* a) {
+    if (a == nullptr) return LLMC_ERR_NULL_POINTER;
+    if (a->batch < 0 || a->seq < 0 || a->max_query_len < 0) return LLMC_ERR_BAD_SHAPE;
+    if (a->num_heads <= 0 || a->num_kv_heads <= 0 || a->num_blocks <= 0 || a->block_size <= 0 || a->max_blocks <= 0)
+        return LLMC_ERR_BAD_SHAPE;
+    if (a->num_heads % a->num_kv_heads != 0) return LLMC_ERR_HEADS;
+    if (a->head_dim != 64 && a->head_dim != 128) return LLMC_ERR_HEAD_DIM;
+    if (a->dtype != LLMC_DTYPE_FP16 && a->dtype != LLMC_DTYPE_BF16) return LLMC_ERR_DTYPE;
+    if (a->sliding_window < 0 || !(a->softcap >= 0.f) || !std::isfinite(a->softcap) || !std::isfinite(a->scale))
+        return LLMC_ERR_ATTRIBUTE;
+    return LLMC_OK;
+}
+
+// The attention kernels need more than the default 48 KiB of dynamic shared memory; the opt-in is
+// per device, so remember it per device instead of paying a driver call every layer of every step.
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t bytes, std::atomic<uint64_t>& done) {
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+    if (bit && (done.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (err == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_relaxed);
+    return err;
+}
+
+template <typename T, int D>
+cudaError_t launch(const Params& p, const Plan& plan, cudaStream_t stream) {
+    const dim3 grid(plan.row_tiles * plan.num_splits, p.num_kv_heads, p.batch);
+    cudaError_t err;
+    if (plan.decode) {
+        static std::atomic<uint64_t> done{0};
+        constexpr size_t bytes = Smem<D, kDecodeRows>::bytes;
+        err = allow_smem(paged_attention_decode<T, D>, bytes, done);
+        if (err != cudaSuccess) return err;
+        paged_attention_decode<T, D><<<grid, kThreads, bytes, stream>>>(p);
+    } else {
+        static std::atomic<uint64_t> done{0};
+        constexpr size_t bytes = Smem<D, kPrefillRows>::bytes;
+        err = allow_smem(paged_attention_prefill<T, D>, bytes, done);
+        if (err != cudaSuccess) return err;
+        paged_attention_prefill<T, D><<<grid, kThreads, bytes, stream>>>(p);
+    }
+    if (plan.num_splits > 1) {
+        const int64_t warps = static_cast<int64_t>(p.batch) * p.num_heads * p.rows_seq;
+        const unsigned blocks = static_cast<unsigned>(ceil_div(warps, kWarps));
+        paged_attention_split_reduce<T, D><<<blocks, kThreads, 0, stream>>>(p);
+    }
+    return cudaGetLastError();
+}
+
+}  // namespace llmc
+
+extern "C" size_t llmc_paged_attention_workspace(const LlmcPagedAttentionArgs* args) {
+    if (llmc::check(args) != LLMC_OK || args->batch == 0 || args->seq == 0) return 0;
+    const llmc::Plan plan = llmc::make_plan(*args, 1 << 30);
+    // Sized by the split count before rounding: it never decreases with max_blocks, so the size
+    // for the largest block table also covers every smaller one.
+    return llmc::partial_bytes(*args, plan.rows_seq, plan.max_splits);
+}
+
+extern "C" int llmc_paged_attention(const LlmcPagedAttentionArgs* args, cudaStream_t stream) {
+    using namespace llmc;
+    const int status = check(args);
+    if (status != LLMC_OK) return status;
+    const LlmcPagedAttentionArgs& a = *args;
+    if (a.batch == 0 || a.seq == 0) return LLMC_OK;
+    if (!a.query || !a.key || !a.value || !a.cache || !a.output || !a.past_lens || !a.query_lens || !a.block_tables)
+        return LLMC_ERR_NULL_POINTER;
+    if (!aligned16(a.query) || !aligned16(a.key) || !aligned16(a.value) || !aligned16(a.cache) ||
+        !aligned16(a.output) || !aligned16(a.workspace))
+        return LLMC_ERR_ALIGNMENT;
+
+    Plan plan = make_plan(a, 1 << 30);
+    const size_t available = a.workspace ? a.workspace_size : 0;
+    if (partial_bytes(a, plan.rows_seq, plan.num_splits) > available) {
+        // Fewer splits rather than failing: correctness never depends on the workspace.
+        const size_t per_split = partial_bytes(a, plan.rows_seq, 2) / 2;
+        const size_t fit = per_split ? available / per_split : 0;
+        plan = make_plan(a, fit > 1 ? static_cast<int>(fit < (1u << 30) ? fit : (1u << 30)) : 1);
+    }
+
+    Params p{};
+    p.query = a.query;
+    p.key = a.key;
+    p.value = a.value;
+    p.cache = a.cache;
+    p.output = a.output;
+    p.past_lens = a.past_lens;
+    p.query_lens = a.query_lens;
+    p.block_tables = a.block_tables;
+    p.cache_half = static_cast<int64_t>(a.num_blocks) * a.block_size * a.num_kv_heads * a.head_dim;
+    p.batch = a.batch;
+    p.seq = a.seq;
+    p.rows_seq = plan.rows_seq;
+    p.num_heads = a.num_heads;
+    p.num_kv_heads = a.num_kv_heads;
+    p.group = a.num_heads / a.num_kv_heads;
+    p.head_dim = a.head_dim;
+    p.num_blocks = a.num_blocks;
+    p.block_size = a.block_size;
+    p.max_blocks = a.max_blocks;
+    p.window = a.sliding_window;
+    p.scale = a.scale;
+    p.softcap = a.softcap;
+    p.num_splits = plan.num_splits;
+    p.partition = plan.partition;
+    if (plan.num_splits > 1) {
+        const size_t rows = static_cast<size_t>(a.batch) * a.num_heads * plan.rows_seq * plan.num_splits;
+        p.partial_o = static_cast<float*>(a.workspace);
+        p.partial_ml = reinterpret_cast<float2*>(static_cast<char*>(a.workspace) + rows * a.head_dim * sizeof(float));
+    }
+
+    // Rows past max_query_len are covered by no kernel; they are padding and read as zeros.
+    if (plan.rows_seq < a.seq) {
+        const size_t bytes = static_cast<size_t>(a.batch) * a.num_heads * a.seq * a.head_dim * 2;
+        if (cudaMemsetAsync(a.output, 0, bytes, stream) != cudaSuccess) return LLMC_ERR_CUDA;
+    }
+    kv_write<<<dim3(plan.rows_seq, a.batch), kThreads, 0, stream>>>(p);
+    if (cudaGetLastError() != cudaSuccess) return LLMC_ERR_CUDA;
+
+    cudaError_t err;
+    const bool bf16 = a.dtype == LLMC_DTYPE_BF16;
+    if (a.head_dim == 64)
+        err = bf16 ? launch<__nv_bfloat16, 64>(p, plan, stream) : launch<__half, 64>(p, plan, stream);
+    else
+        err = bf16 ? launch<__nv_bfloat16, 128>(p, plan, stream) : launch<__half, 128>(p, plan, stream);
+    return err == cudaSuccess ? LLMC_OK : LLMC_ERR_CUDA;
+}
+
+extern "C" const char* llmc_error_string(int status) {
+    switch (status) {
+        case LLMC_OK: return "ok";
+        case LLMC_ERR_NULL_POINTER: return "a required pointer is null";
+        case LLMC_ERR_BAD_SHAPE: return "a dimension is out of range (negative, or zero heads/blocks/block size)";
+        case LLMC_ERR_HEAD_DIM: return "head_dim must be 64 or 128";
+        case LLMC_ERR_DTYPE: return "dtype must be fp16 or bf16";
+        case LLMC_ERR_HEADS: return "num_kv_heads must divide num_heads";
+        case LLMC_ERR_ALIGNMENT: return "query, key, value, cache, output and workspace must be 16-byte aligned";
+        case LLMC_ERR_ATTRIBUTE: return "sliding_window and softcap must be >= 0 and scale finite";
+        case LLMC_ERR_CUDA: return "a CUDA kernel launch failed (see cudaGetLastError)";
+        default: return "unknown llmc attention status";
+    }
+}
+
+extern "C" int llmc_attention_abi_version(void) { return LLMC_ATTENTION_ABI_VERSION; }
+
+extern "C" size_t llmc_attention_args_size(void) { return sizeof(LlmcPagedAttentionArgs); }
