@@ -58,7 +58,7 @@ async def _http_one(client, prompt, n):
                                              extra_body={"ignore_eos": True})
     times = []
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
+        if chunk.choices:  # one event per token, also where its text is empty (a partial UTF-8 character)
             times.append(time.perf_counter())
     ttft = times[0] - start
     return ttft, (times[-1] - times[0]) / (len(times) - 1), [b - a for a, b in zip(times, times[1:])]

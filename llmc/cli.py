@@ -69,9 +69,14 @@ def main():
               help="Storage of the weights not quantized (16-bit storage, fp32 arithmetic).")
 @click.option("--kv-cache-dtype", default="fp32", show_default=True, metavar="fp32|fp16|bf16|int8",
               help="KV cache storage (int8: per token and head scales); the pool holds more tokens per byte.")
+@click.option("--backend", default="onnxruntime", show_default=True, metavar="onnxruntime|tensorrt",
+              help="ONNX Runtime with llmc's CPU kernels, or a TensorRT plan with llmc's attention plugin "
+                   "(needs TensorRT and a GPU: pip install 'llmc[trt]').")
+@click.option("--precision", default="auto", show_default=True, metavar="auto|fp16|bf16",
+              help="What a TensorRT engine computes in [auto: fp16]; the CPU backend computes in fp32.")
 def build(model, output, block_size, max_context, disable_passes, list_passes, verify, dump_ir, overwrite,
           explain, lossless_weights, quant, quant_block_size, asymmetric, quant_method, calibrate, lm_head, embedding,
-          weight_dtype, kv_cache_dtype):
+          weight_dtype, kv_cache_dtype, backend, precision):
     """Compile MODEL (a recipe name, a local HF folder or a hub id) into an engine."""
     from llmc.contract.options import BuildOptions
 
@@ -79,7 +84,8 @@ def build(model, output, block_size, max_context, disable_passes, list_passes, v
                            verify=verify, lossless_weights=lossless_weights, quant=quant,
                            quant_block_size=quant_block_size, quant_symmetric=not asymmetric,
                            quant_method=quant_method, calibrate=calibrate, lm_head=lm_head, embedding=embedding,
-                           weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype)
+                           weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, backend=backend,
+                           precision=precision)
     if list_passes:
         from llmc.passes.pipeline import phases
 

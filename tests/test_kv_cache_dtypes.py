@@ -201,8 +201,10 @@ def test_layout_helpers():
     assert shape == (2, 5, 3, 16 * 68)
     assert kv_layout.pool_shape(HEAD_MAJOR, 5, 16, 3, 64, "bf16") == (2, 5, 3, 16, 64)
     assert kv_layout.pool_shape(HEAD_MAJOR, None, "bs", "h", "d", "int8")[3] == "bs * (d + 4)"
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp32"):
-        kv_layout.pool_shape(kv_layout.TOKEN_MAJOR, 5, 16, 3, 64, "fp16")
+    # 16-bit token-major pools are TensorRT's; int8 tiles are the CPU kernel's, head-major only.
+    assert kv_layout.pool_shape(kv_layout.TOKEN_MAJOR, 5, 16, 3, 64, "fp16") == (2, 5, 16, 3, 64)
+    with pytest.raises(ValueError, match="int8 KV cache needs llmc's CPU attention kernel"):
+        kv_layout.pool_shape(kv_layout.TOKEN_MAJOR, 5, 16, 3, 64, "int8")
     with pytest.raises(ValueError, match="unknown KV-cache dtype"):
         kv_layout.pool_shape(HEAD_MAJOR, 5, 16, 3, 64, "fp8")
     assert kv_layout.bytes_per_token(3, 64, "fp32") / kv_layout.bytes_per_token(3, 64, "int8") == 1536 / 408

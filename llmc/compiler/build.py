@@ -113,6 +113,11 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
 
     options = options or BuildOptions()
     passes = pipeline(options)  # refuses a bad --disable-pass before any work
+    tools = None
+    if options.backend == "tensorrt":  # TensorRT and a GPU, or one line naming the fix, before any work
+        from llmc.trt import plan as trt_plan
+
+        tools = trt_plan.toolchain()
     say = progress or (lambda stage, msg, finished=False: None)
     stages: list[StageRecord] = []
     output = Path(output)
@@ -165,7 +170,8 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         io = _graph_io(model, spec)
         quantized = {name: QuantizedTensor(r["role"], r["format"], tuple(r["shape"]), round(r["relative_error"], 6))
                      for name, r in records_of(model).items()}
-        if options.kv_cache_dtype != "fp32" and kv_layout.of_model(model) != kv_layout.HEAD_MAJOR:
+        if options.backend == "onnxruntime" and options.kv_cache_dtype != "fp32" and \
+                kv_layout.of_model(model) != kv_layout.HEAD_MAJOR:
             raise LlmcError(f"--kv-cache-dtype {options.kv_cache_dtype} needs llmc's CPU attention kernel, which "
                             "this build did not use (cpu-kernels disabled or the kernel library missing); "
                             "drop --kv-cache-dtype or reinstall llmc with a C compiler")
@@ -177,6 +183,11 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         writer.expected_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values()
                                     if v.const_value is not None)
         ir.save(model, writer.path / MODEL_FILE, external_data=WEIGHTS_FILE)
+        backend = Backend("onnxruntime", "cpu", (cpu.DOMAIN,) if cpu.DOMAIN in model.opset_imports else ())
+        payload, kv_dtype = Payload(MODEL_FILE, WEIGHTS_FILE), options.kv_cache_dtype
+        if tools is not None:
+            backend, payload = _tensorrt_plan(tools, writer.path, spec, options)
+            kv_dtype = options.compute_dtype
         tokenizer = export_tokenizer(folder, writer.path / TOKENIZER_DIR)
         _save_generation_config(folder, spec, writer.path / GENERATION_CONFIG)
         stage("save", t)
@@ -186,19 +197,38 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         (writer.path / "build_report.md").write_text(report.markdown(spec))
         writer.commit(Manifest(
             source=Source(model_ref, str(folder), hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()),
-            backend=Backend("onnxruntime", "cpu", (cpu.DOMAIN,) if cpu.DOMAIN in model.opset_imports else ()),
+            backend=backend,
             model_spec=spec,
             build_options=options,
-            kv_cache=KVCache(kv_layout.of_model(model), options.kv_cache_dtype, options.block_size, spec.num_layers,
+            kv_cache=KVCache(kv_layout.of_model(model), kv_dtype, options.block_size, spec.num_layers,
                              spec.num_kv_heads, spec.head_dim),
             io=io,
-            payload=Payload(MODEL_FILE, WEIGHTS_FILE),
+            payload=payload,
             tokenizer=tokenizer.manifest_entry(TOKENIZER_DIR),
             generation_config=GENERATION_CONFIG,
             passes=tuple(records),
             quantization=_quantization(options, quantized, calibration is not None),
         ))
     return BuildResult(output, stages, peak_rss_mb(), manager.misses)
+
+
+def _tensorrt_plan(tools, root: Path, spec: ModelSpec, options: BuildOptions) -> tuple[Backend, Payload]:
+    """Build the plan from the lowered graph just saved in `root`; the plugin library goes beside it."""
+    import shutil
+    import tempfile
+
+    from llmc.contract.profiles import profiles
+    from llmc.trt import plan as trt_plan
+
+    plugin = root / trt_plan.PLUGIN_FILE
+    with tempfile.TemporaryDirectory() as scratch:
+        shutil.copyfile(trt_plan.plugin_library(Path(scratch)), plugin)
+    shapes = profiles(block_size=options.block_size, max_context=options.max_context)
+    plan = trt_plan.build_plan(tools, root / MODEL_FILE, plugin, shapes, spec.num_layers,
+                               (options.block_size, spec.num_kv_heads, spec.head_dim))
+    (root / trt_plan.PLAN_FILE).write_bytes(plan)
+    backend = Backend("tensorrt", "cuda", (), tools.gpu_arch, tools.version, trt_plan.PLUGIN_FILE, shapes)
+    return backend, Payload(trt_plan.PLAN_FILE, None)
 
 
 def _check_quantization(options: BuildOptions, spec: ModelSpec, passes) -> None:

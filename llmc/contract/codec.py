@@ -2,7 +2,9 @@
 
 `to_json(obj)` turns a dataclass (nested dataclasses, tuples, dicts) into plain JSON values;
 `from_json(cls, data)` builds one back and raises ContractError naming the first key that is
-missing, unknown or of the wrong type ("model_spec.num_layers: expected int, got str"). Field
+missing, unknown or of the wrong type ("model_spec.num_layers: expected int, got str"). A field
+declared with `added(default)` may be absent: documents written before it existed meant the
+default, so adding one does not make every engine built before it unreadable. Field
 types are read from the annotations, so a field is declared once and validated everywhere.
 """
 
@@ -14,6 +16,14 @@ import typing
 from typing import Any, Literal, Union
 
 from llmc.errors import LlmcError
+
+
+ADDED = "llmc.added"  # field metadata: the key may be absent from older documents
+
+
+def added(default: Any) -> Any:
+    """A dataclass field added to a contract document after its schema: absent means `default`."""
+    return dataclasses.field(default=default, metadata={ADDED: True})
 
 
 class ContractError(ValueError):
@@ -52,8 +62,10 @@ def _dataclass(cls: type, data: Any, where: str) -> Any:
         raise ContractError(f"{where}: unknown key {unknown[0]!r}")
     hints = typing.get_type_hints(cls)
     values = {}
-    for name in fields:
+    for name, f in fields.items():
         if name not in data:
+            if f.metadata.get(ADDED):  # a document from before the field: it meant the default
+                continue
             raise ContractError(f"{where}: missing key {name!r}")
         values[name] = _value(hints[name], data[name], f"{where}.{name}")
     try:

@@ -10,8 +10,9 @@ engine names its layout (manifest `kv_cache.layout`, and the graph's metadata wh
   one contiguous run and scoring it needs no horizontal sums (docs/attention_cpu.md).
 
 A pool's dtype (manifest `kv_cache.dtype`, `llmc build --kv-cache-dtype`) is the engine's, every
-layer alike. fp32 works with either layout; the others are the CPU kernel's, head-major only:
-- fp16 / bf16: the head-major shape with float16 / bfloat16 elements, the rotated K and V
+layer alike. fp32 works with either layout, and so do fp16 and bf16 (on the CPU, llmc's kernel
+reads them head-major; TensorRT's plugin reads them token-major); int8 is the CPU kernel's:
+- fp16 / bf16: the layout's shape with float16 / bfloat16 elements, the rotated K and V
   rounded to nearest even;
 - int8: `[2, num_blocks, num_kv_heads, block_size * (head_dim + 4)]` bytes, each (K or V, block,
   KV head) tile `block_size * head_dim` int8 values laid out as the float tiles (keys transposed)
@@ -42,10 +43,9 @@ def check_dtype(dtype: str, layout: str = HEAD_MAJOR) -> None:
         raise ValueError(f"unknown KV-cache dtype {dtype!r} (known: {', '.join(KV_DTYPES)})")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown KV-cache layout {layout!r} (known: {', '.join(LAYOUTS)})")
-    if dtype != "fp32" and layout != HEAD_MAJOR:
-        raise ValueError(f"a {dtype} KV cache needs llmc's CPU attention kernel (the head-major layout); "
-                         f"the {layout} pool of the standard-op lowering is fp32 only: build with "
-                         "--kv-cache-dtype fp32, or with the cpu-kernels pass enabled")
+    if dtype == "int8" and layout != HEAD_MAJOR:
+        raise ValueError(f"an int8 KV cache needs llmc's CPU attention kernel (the head-major layout), not the "
+                         f"{layout} pool: build with the cpu-kernels pass enabled, or another --kv-cache-dtype")
 
 
 def numpy_dtype(dtype: str) -> np.dtype:
@@ -135,7 +135,7 @@ def to_token_major(pool: np.ndarray, layout: str, dtype: str = "fp32", *, head_d
     compare pools; int8 is dequantized, and needs `head_dim`: its tiles do not say it)."""
     check_dtype(dtype, layout)
     if layout == TOKEN_MAJOR:
-        return pool
+        return pool.view(numpy_dtype(dtype)).astype(np.float32) if dtype != "fp32" else pool
     if dtype == "int8":
         if head_dim is None:
             raise ValueError("an int8 pool's head_dim is not in its shape: pass head_dim=")

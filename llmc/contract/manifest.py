@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from llmc.contract import graph_io, kv_layout
-from llmc.contract.codec import ContractError, from_json, to_json
+from llmc.contract.codec import ContractError, added, from_json, to_json
 from llmc.contract.graph_io import GraphIO, TensorType
 from llmc.contract.model_spec import ModelSpec
 from llmc.contract.options import BuildOptions
+from llmc.contract.profiles import Profile
 
 # 4: model_spec.layer_types. 5: the graph takes logits_indices and returns logits [N, V]; io.logits
 # ("last" / "all") is gone, so an older engine's graph cannot serve a step of this runtime.
@@ -35,9 +36,15 @@ class Source:
 
 @dataclass(frozen=True)
 class Backend:
-    name: Literal["onnxruntime"]
-    target: Literal["cpu"]
+    name: Literal["onnxruntime", "tensorrt"]
+    target: Literal["cpu", "cuda"]
     custom_ops: tuple[str, ...]  # custom-op domains the session must load (llmc.plugins)
+    # TensorRT: what the plan was built on (a plan runs only on the GPU architecture and the
+    # TensorRT version that built it), the plugin library beside it, and the step shapes it holds.
+    gpu_arch: str | None = added(None)  # "sm_90"
+    tensorrt_version: str | None = added(None)
+    plugin_library: str | None = added(None)  # a file of the engine
+    profiles: tuple[Profile, ...] = added(())
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmc.contract.codec import added
 from llmc.errors import LlmcError
 
 # ONNX Runtime's graph optimization levels, by the short names users give.
@@ -34,6 +35,8 @@ QUANT_BITS = {"int8": 8, "int4": 4}
 QUANT_METHODS = ("rtn", "search", "awq")  # round to nearest; data-free scale search; activation-aware
 QUANT_BLOCK_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("fp32", "fp16", "bf16", "int8")
+BACKENDS = ("onnxruntime", "tensorrt")
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")  # what the graph computes in (TensorRT: its types)
 WEIGHT_ROLES = ("body", "lm_head", "embedding")  # the projections, the LM head, the embedding table
 
 
@@ -53,6 +56,8 @@ class BuildOptions:
     weight_dtype: str = "fp32"  # storage of the weights left unquantized: fp32, bf16, fp16
     kv_cache_dtype: str = "fp32"  # KV_CACHE_DTYPES
     calibrate: str | None = None  # text file for --quant-method awq; None: the held-out corpus
+    backend: str = added("onnxruntime")  # BACKENDS: ONNX Runtime on CPU, or TensorRT with llmc's plugin
+    precision: str = added("auto")  # PRECISIONS; auto: fp32 for onnxruntime, fp16 for tensorrt
 
     def __post_init__(self):
         _one_of("--quant", self.quant, ("none", *QUANT_BITS))
@@ -73,6 +78,25 @@ class BuildOptions:
         if self.max_context is not None and self.max_context < 2:
             raise LlmcError(f"--max-context must be >= 2 (got {self.max_context})")
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+        _one_of("--backend", self.backend, BACKENDS)
+        _one_of("--precision", self.precision, PRECISIONS)
+        if self.backend == "onnxruntime" and self.precision not in ("auto", "fp32"):
+            raise LlmcError(f"--precision {self.precision} is for --backend tensorrt; the CPU backend computes in "
+                            "fp32 (store weights in 16 bits with --weight-dtype, the KV cache with --kv-cache-dtype)")
+        if self.backend == "tensorrt":
+            if self.precision == "fp32":
+                raise LlmcError("--backend tensorrt computes in fp16 or bf16 (llmc's attention plugin); "
+                                "use --precision fp16 or bf16")
+            if self.kv_cache_dtype not in ("fp32", self.compute_dtype):
+                raise LlmcError(f"--kv-cache-dtype {self.kv_cache_dtype}: a TensorRT engine's KV cache is in its "
+                                f"--precision ({self.compute_dtype}); drop --kv-cache-dtype")
+
+    @property
+    def compute_dtype(self) -> str:
+        """What the graph computes in: fp32 on the CPU backend, fp16 or bf16 on TensorRT."""
+        if self.precision != "auto":
+            return self.precision
+        return "fp16" if self.backend == "tensorrt" else "fp32"
 
 
     @property

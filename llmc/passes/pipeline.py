@@ -9,6 +9,12 @@
     layout            simplify-layout
     weights           packed-matmul, lossless-weights (with --lossless-weights)
 
+With --backend tensorrt the first four phases are the same and the rest is TensorRT's lowering
+(trt_lower.py): the attention as llmc's plugin node, then the whole graph in fp16 or bf16.
+
+    lower             trt-plugin
+    precision         trt-precision
+
 The engine contract needs paged-kv-cache, logits-indices and ort-lower (`Pass.required`); any
 other pass can be left out with --disable-pass. Passes that target llmc's CPU kernels stand aside,
 saying why, where the kernel library is not built.
@@ -33,6 +39,7 @@ from llmc.passes.packed_matmul import PackedMatMuls
 from llmc.passes.paged_kv_cache import PagedKVCache
 from llmc.passes.quantize_weights import QuantizeWeights
 from llmc.passes.simplify_layout import SimplifyLayout
+from llmc.passes.trt_lower import TensorRTPlugin, TensorRTPrecision
 
 
 @dataclass(frozen=True)
@@ -44,11 +51,16 @@ class Phase:
 def phases(options: BuildOptions) -> list[Phase]:
     """Every pass the options call for, in order and by phase (--disable-pass not yet applied)."""
     block = options.block_size
-    return [
+    common = [
         Phase("canonicalize", (Cleanup(), NativeGQA())),
         Phase("fuse", (MergeMatMuls(),)),
         Phase("quantize", (QuantizeWeights(options),) if options.reduces_weights else ()),
         Phase("rewrite KV I/O", (PagedKVCache(block), LogitsIndices())),
+    ]
+    if options.backend == "tensorrt":
+        return common + [Phase("lower", (TensorRTPlugin(),)),
+                         Phase("precision", (TensorRTPrecision(options.compute_dtype),))]
+    return common + [
         Phase("backend kernels", (ORTFusions(), CPUKernels(block, options.kv_cache_dtype))),
         Phase("lower", (LowerPagedAttentionORT(block),)),
         Phase("layout", (SimplifyLayout(),)),
@@ -58,7 +70,9 @@ def phases(options: BuildOptions) -> list[Phase]:
 
 def pipeline(options: BuildOptions) -> list[Pass]:
     """The passes a build with these options runs, in order; refuses a --disable-pass it cannot honour."""
-    every = {p.name: p for phase in phases(BuildOptions(lossless_weights=True, quant="int8")) for p in phase.passes}
+    every = {p.name: p for backend in ("onnxruntime", "tensorrt")
+             for phase in phases(BuildOptions(lossless_weights=True, quant="int8", backend=backend))
+             for p in phase.passes}
     for name in options.disable_passes:
         if name not in every:
             raise LlmcError(f"unknown pass {name!r}; passes are: {', '.join(every)}")

@@ -41,6 +41,11 @@ class Engine:
                                                                            verify_checksums=options.verify_checksums)
         self.files, self.dir, self.manifest = files, files.root, files.manifest
         manifest = files.manifest
+        if manifest.backend.name != "onnxruntime":
+            b = manifest.backend
+            raise EngineError(f"engine {self.dir} is a TensorRT plan ({b.gpu_arch}, TensorRT {b.tensorrt_version}), "
+                              "and this llmc runs ONNX Runtime engines only (the TensorRT runtime is issue 20's "
+                              "next part); build a CPU engine with --backend onnxruntime")
         self.spec = manifest.model_spec
         self.kv = manifest.kv_cache
         self.block_size = self.kv.block_size

@@ -1,0 +1,179 @@
+"""The TensorRT lowering, checked on a CPU: the graph TensorRT's parser gets (plugin nodes, their
+attributes, 16-bit types, the contract's I/O), run by ONNX Runtime with the plugin replaced by
+the op's reference function; the optimization profiles; and the one-line refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from llmc.contract import graph_io as io
+from llmc.contract import profiles as prof
+from llmc.contract.manifest import Backend
+from llmc.contract.options import BuildOptions
+from llmc.errors import LlmcError
+from llmc.passes import trt_lower
+from llmc.passes.manager import PassManager
+from llmc.passes.pipeline import phases, pipeline
+from llmc.passes.verify import verifier
+from llmc.plugins import paged_attention as pa
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def exported():
+    from llmc.compiler.export import export_onnx
+    from llmc.compiler.frontend import load_hf_model, model_spec_from_config, read_config
+    from llmc.compiler.recipes import materialize
+
+    folder = materialize("tiny-llama")
+    spec = model_spec_from_config(read_config(folder))
+    return export_onnx(load_hf_model(folder), spec), spec
+
+
+@pytest.fixture(scope="module", params=["fp16", "bf16"])
+def lowered(request, exported):
+    """(lowered model, spec, pass records with each pass's measured difference where ORT runs both sides)."""
+    model, spec = exported
+    model = ir.from_proto(ir.to_proto(model))
+    options = BuildOptions(backend="tensorrt", precision=request.param, block_size=BLOCK)
+    check = verifier(spec, BLOCK) if request.param == "fp16" else None  # ORT's CPU ops take no bf16 MatMul
+    records = PassManager(pipeline(options), verifier=check).run(model, spec)
+    return model, spec, {r.name: r for r in records}, request.param
+
+
+def test_the_tensorrt_pipeline_shares_the_first_phases_then_lowers_for_tensorrt():
+    names = [(ph.name, [p.name for p in ph.passes]) for ph in phases(BuildOptions(backend="tensorrt"))]
+    assert names == [("canonicalize", ["cleanup", "native-gqa"]), ("fuse", ["merge-matmuls"]), ("quantize", []),
+                     ("rewrite KV I/O", ["paged-kv-cache", "logits-indices"]), ("lower", ["trt-plugin"]),
+                     ("precision", ["trt-precision"])]
+    quantized = phases(BuildOptions(backend="tensorrt", quant="int4"))
+    assert [p.name for p in quantized[2].passes] == ["quantize-weights"]
+    for required in ("trt-plugin", "trt-precision"):
+        with pytest.raises(LlmcError, match="cannot be disabled"):
+            pipeline(BuildOptions(backend="tensorrt", disable_passes=(required,)))
+
+
+def test_every_attention_is_the_plugin_node_with_its_attributes(lowered):
+    model, spec, records, _ = lowered
+    nodes = trt_lower.plugin_nodes(model)
+    assert len(nodes) == spec.num_layers == records["trt-plugin"].counts["paged_attention_plugin"]
+    for node in nodes:
+        attrs = {name: a.value for name, a in node.attributes.items()}
+        assert attrs["plugin_namespace"] == "llmc" and attrs["plugin_version"] == str(pa.VERSION)
+        assert (attrs["num_heads"], attrs["num_kv_heads"]) == (spec.num_heads, spec.num_kv_heads)
+        assert attrs["scale"] == pytest.approx(spec.head_dim ** -0.5) and attrs["sliding_window"] == 0
+        assert set(attrs) == {f.name for f in dataclasses.fields(pa.PagedAttentionAttrs)} | {
+            "plugin_namespace", "plugin_version"}
+        assert [v.name for v in node.inputs[4:]] == [io.PAST_LENS, io.QUERY_LENS, io.BLOCK_TABLES]
+        assert node.inputs[3].name.startswith("kv_cache.") and node.outputs[1].name.startswith("kv_cache_out.")
+    # Nothing TensorRT's parser would not know: no llmc or ORT-only ops, and no local function that
+    # it would inline in place of the plugin.
+    assert {n.domain for n in model.graph} == {"", trt_lower.PLUGIN_DOMAIN}
+    assert not model.functions and pa.DOMAIN not in model.opset_imports
+
+
+def test_every_float_is_the_precision_and_the_logits_float32(lowered):
+    model, spec, records, precision = lowered
+    low = trt_lower.PRECISIONS[precision]
+    assert records["trt-precision"].counts["weights"] > 0
+    floats = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
+    for value in model.graph.initializers.values():
+        assert value.const_value.dtype in (low, ir.DataType.INT64, ir.DataType.INT32), value.name
+    typed = [v for n in model.graph for v in n.outputs if v.type is not None and v.dtype in floats]
+    assert typed and all(v.dtype == low for v in typed if v.name != io.LOGITS)
+    outputs = {v.name: v for v in model.graph.outputs}
+    assert outputs[io.LOGITS].dtype == ir.DataType.FLOAT
+    assert [v.name for v in model.graph.inputs] == list(io.GraphIO.paged(spec.num_layers).inputs)
+    assert [v.name for v in model.graph.outputs] == list(io.GraphIO.paged(spec.num_layers).outputs)
+    for name in (io.cache_input(0), io.cache_output(0)):
+        pool = next(v for v in [*model.graph.inputs, *model.graph.outputs] if v.name == name)
+        assert pool.dtype == low and list(pool.shape)[2:] == [BLOCK, spec.num_kv_heads, spec.head_dim]
+
+
+def test_onnx_runtime_runs_the_lowered_graph_with_the_reference_plugin(lowered):
+    """The plugin node with the op's function is the graph before it, bit for bit; fp16 costs what
+    fp16 rounding costs (the verifier's ragged prefill and decode steps over a shuffled pool)."""
+    model, spec, records, precision = lowered
+    if precision != "fp16":
+        pytest.skip("ONNX Runtime's CPU ops take no bf16 MatMul; the bf16 graph is checked by its types")
+    assert records["trt-plugin"].max_abs_diff == 0.0
+    rounded = records["trt-precision"].max_abs_diff
+    assert rounded is not None and 0 < rounded < 0.1, rounded  # tiny-llama's logits span about +-3
+
+
+def test_profiles_cover_decode_and_prefill_steps_and_refuse_what_they_do_not_hold():
+    decode, prefill = prof.profiles(block_size=16, max_context=4096, max_num_seqs=16, chunk_size=256)
+    assert decode.seq == prof.Dim(1, 1, 1) and prefill.seq.min == 2 and prefill.seq.max == 256
+    assert decode.max_blocks.max == 256 and decode.num_blocks.max == 1 + 16 * 256
+    step = dict(num_logits=16, max_blocks=40, num_blocks=600)
+    assert prof.choose((decode, prefill), batch=16, seq=1, **step) == 0
+    assert prof.choose((decode, prefill), batch=3, seq=5, **{**step, "num_logits": 15}) == 1  # a verify step
+    with pytest.raises(ValueError, match="no optimization profile holds a step of 17 rows"):
+        prof.choose((decode, prefill), batch=17, seq=1, **step)
+    shapes = decode.shapes(2, (16, 2, 64))
+    assert shapes[io.INPUT_IDS] == ((1, 1), (8, 1), (16, 1))
+    assert shapes[io.BLOCK_TABLES] == ((1, 1), (8, 64), (16, 256))
+    assert shapes[io.cache_input(1)] == ((2, 2, 16, 2, 64), (2, 1025, 16, 2, 64), (2, 4097, 16, 2, 64))
+    assert set(shapes) == set(io.STEP_SHAPES) | {io.cache_input(0), io.cache_input(1)}
+
+
+def test_a_tensorrt_manifest_section_round_trips_and_a_cpu_manifest_still_reads():
+    from llmc.contract.codec import from_json, to_json
+
+    backend = Backend("tensorrt", "cuda", (), "sm_90", "10.9.0", "libllmc_trt_plugin.so",
+                      prof.profiles(block_size=16, max_context=2048))
+    assert from_json(Backend, to_json(backend)) == backend
+    old = {"name": "onnxruntime", "target": "cpu", "custom_ops": ["llmc.cpu"]}  # written before these fields
+    assert from_json(Backend, old) == Backend("onnxruntime", "cpu", ("llmc.cpu",))
+
+
+def test_a_plan_for_another_gpu_or_tensorrt_is_refused_in_one_line():
+    from llmc.trt.plan import Toolchain, check_plan
+
+    backend = Backend("tensorrt", "cuda", (), "sm_90", "10.9.0", "libllmc_trt_plugin.so")
+    check_plan(backend, Toolchain(None, "10.9.0", "sm_90"))
+    with pytest.raises(LlmcError, match="built for GPU architecture sm_90, and this machine has sm_80.*rebuild"):
+        check_plan(backend, Toolchain(None, "10.9.0", "sm_80"))
+    with pytest.raises(LlmcError, match="TensorRT version 10.9.0, and this machine has 11.0.0"):
+        check_plan(backend, Toolchain(None, "11.0.0", "sm_90"))
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(precision="fp16"), "--precision fp16 is for --backend tensorrt"),
+    (dict(backend="tensorrt", precision="fp32"), "computes in fp16 or bf16"),
+    (dict(backend="tensorrt", precision="bf16", kv_cache_dtype="fp16"), "KV cache is in its --precision (bf16)"),
+    (dict(backend="tvm"), "--backend must be one of onnxruntime, tensorrt"),
+])
+def test_bad_backend_options_are_one_line(kwargs, fragment):
+    with pytest.raises(LlmcError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        BuildOptions(**kwargs)
+
+
+def test_build_without_tensorrt_fails_in_one_line_before_any_work(tmp_path):
+    pytest.importorskip("numpy")
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("TensorRT is installed here")
+    except ImportError:
+        pass
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+
+    result = CliRunner().invoke(main, ["build", "tiny-llama", "-o", str(tmp_path / "e"), "--backend", "tensorrt"])
+    assert result.exit_code != 0 and not (tmp_path / "e").exists()
+    message = result.output.strip()
+    assert "\n" not in message and "needs TensorRT" in message and "pip install 'llmc[trt]'" in message
+
+
+def test_an_fp16_pool_reads_back_token_major():
+    from llmc.contract import kv_layout
+
+    pool = np.arange(2 * 3 * 4 * 2 * 2, dtype=np.float16).reshape(2, 3, 4, 2, 2)
+    back = kv_layout.to_token_major(pool, kv_layout.TOKEN_MAJOR, "fp16")
+    assert back.dtype == np.float32 and np.array_equal(back, pool.astype(np.float32))
