@@ -1,7 +1,7 @@
 """llmc's CUDA paged decode attention on a GPU: K/V bandwidth at long contexts, next to torch.
 
     python benchmarks/cuda_attention.py [--contexts 4096,8192,16384,32768] [--batches 1,8,32,64]
-                                        [--iters 20] [--no-check] [--check-only]
+                                        [--iters 20] [--no-check] [--check-only] [--rope]
 
 Needs a CUDA GPU, torch with CUDA and nvcc (pip install 'llmc[cuda-build]'); CuPy, when present,
 measures the copy bandwidth with a plain cudaMemcpy (torch's copy_ otherwise). Shape: Llama-3-8B's
@@ -15,11 +15,14 @@ on a 2 GiB buffer (bytes read + bytes written per second: the DRAM rate a stream
 hope for). Next to it, torch's scaled_dot_product_attention on the same K/V already gathered
 into contiguous [batch, 8, context, 128] tensors (the gather not timed): what a dense kernel
 reaches on the same bytes. Small shapes cycle through several copies of their pool so that no
-call finds its K/V in the 50 MB L2 left there by the previous one.
+call finds its K/V in the 50 MB L2 left there by the previous one. With --rope, a further column
+times the same call with the query/key RoPE fused (rotary dim 128, rotate halves), which should
+cost next to nothing over the plain call.
 
 Before timing, a correctness sweep runs the library against paged_attention.reference() (fp16
 and bf16, block 16 and 32, GQA 1/4/8, contexts up to 32k, ragged rows, a prefill chunk, a sliding
-window); `--no-check` skips it, `--check-only` runs only it. Prints markdown tables.
+window, and the fused RoPE in both pairings against cuda.apply_rotary + reference()); `--no-check`
+skips it, `--check-only` runs only it. Prints markdown tables.
 """
 
 from __future__ import annotations
@@ -44,12 +47,13 @@ class Call:
     """One llmc_paged_attention call over torch tensors, its arguments built once."""
 
     def __init__(self, lib, q, k, v, cache, out, past, qlens, tables, *, num_heads, num_kv_heads, scale,
-                 window=0, softcap=0.0):
+                 window=0, softcap=0.0, rope=None):
+        """rope: None, or (cos, sin, interleaved) with cos and sin [B, S, R/2] in q's dtype."""
         import torch
 
         from llmc.plugins import cuda
 
-        self.lib, self.keep = lib, [q, k, v, cache, out, past, qlens, tables]
+        self.lib, self.keep = lib, [q, k, v, cache, out, past, qlens, tables, rope]
         batch, _, seq, head_dim = q.shape
         self.args = cuda.PagedAttentionArgs(
             query=q.data_ptr(), key=k.data_ptr(), value=v.data_ptr(), cache=cache.data_ptr(), output=out.data_ptr(),
@@ -58,6 +62,10 @@ class Call:
             block_size=cache.shape[2], max_blocks=tables.shape[1], max_query_len=0,
             dtype=cuda.DTYPES["bf16" if q.dtype == torch.bfloat16 else "fp16"], scale=scale, softcap=softcap,
             sliding_window=window)
+        if rope is not None:
+            cos, sin, interleaved = rope
+            self.args.rope_cos, self.args.rope_sin = cos.data_ptr(), sin.data_ptr()
+            self.args.rotary_dim, self.args.rotary_interleaved = 2 * cos.shape[-1], int(interleaved)
         size = lib.llmc_paged_attention_workspace(ctypes.byref(self.args))
         self.workspace = torch.empty(max(size, 16), dtype=torch.uint8, device="cuda")
         self.args.workspace, self.args.workspace_size = self.workspace.data_ptr(), size
@@ -119,7 +127,7 @@ def copy_bandwidth(iters: int) -> float:
     return 2 * size / timed(copy, iters)
 
 
-def decode_row(lib, context: int, batch: int, iters: int, copy_bw: float) -> str:
+def decode_row(lib, context: int, batch: int, iters: int, copy_bw: float, rope: bool = False) -> str:
     import torch
     import torch.nn.functional as F
 
@@ -135,13 +143,19 @@ def decode_row(lib, context: int, batch: int, iters: int, copy_bw: float) -> str
     past = torch.full((batch,), context - 1, dtype=torch.int32, device="cuda")
     qlens = torch.ones((batch,), dtype=torch.int32, device="cuda")
     scale = HEAD_DIM ** -0.5
-    calls, dense = [], []
+    # RoPE tables of the step's one position per row (the values do not change the timing).
+    angles = torch.rand((batch, 1, HEAD_DIM // 2), device="cuda") * 6.3
+    rope_args = (angles.cos().half(), angles.sin().half(), False)
+    calls, rope_calls, dense = [], [], []
     for _ in range(copies):
         tables, num_blocks = scattered_tables(gen, batch, blocks)
         pool = torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), **dev)
         tables = tables.cuda()
         calls.append(Call(lib, q, k_new, v_new, pool, out, past, qlens, tables, num_heads=HEADS,
                           num_kv_heads=KV_HEADS, scale=scale))
+        if rope:
+            rope_calls.append(Call(lib, q, k_new, v_new, pool, out, past, qlens, tables, num_heads=HEADS,
+                                   num_kv_heads=KV_HEADS, scale=scale, rope=rope_args))
         # The same K/V gathered contiguous for SDPA: [B, Hkv, T, D].
         idx = tables[:, :blocks].long()
         k = pool[0][idx].reshape(batch, blocks * BLOCK, KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2).contiguous()
@@ -151,6 +165,9 @@ def decode_row(lib, context: int, batch: int, iters: int, copy_bw: float) -> str
 
     def llmc_call():
         calls[next(turn) % copies]()
+
+    def rope_call():
+        rope_calls[next(turn) % copies]()
 
     def sdpa_call():
         k, v = dense[next(turn) % copies]
@@ -163,15 +180,19 @@ def decode_row(lib, context: int, batch: int, iters: int, copy_bw: float) -> str
     except (RuntimeError, TypeError) as exc:  # an old torch without enable_gqa, or out of memory
         sdpa = f"n/a ({type(exc).__name__}) | "
     splits = "yes" if calls[0].splits_bytes else "no"
+    rope_col = f" {timed(rope_call, iters) * 1e6:9.1f} |" if rope else ""
     return (f"| {context:7d} | {batch:5d} | {splits:6} | {llmc_s * 1e6:9.1f} | {kv_bytes / llmc_s / 1e9:8.0f} | "
-            f"{kv_bytes / llmc_s / copy_bw:6.0%} | {sdpa} |")
+            f"{kv_bytes / llmc_s / copy_bw:6.0%} | {sdpa} |{rope_col}")
 
 
 def check(lib, dtype: str, *, group: int, block: int, past: list[int], qlens: list[int], seq: int, window=0,
-          seed=0) -> tuple[float, float]:
-    """(max abs diff, output scale) of one ragged step against paged_attention.reference()."""
+          seed=0, rotary=None) -> tuple[float, float]:
+    """(max abs diff, output scale) of one ragged step against paged_attention.reference().
+    rotary: None, or (rotary_dim, interleaved) for the fused RoPE, checked against q and k rotated
+    by cuda.apply_rotary and rounded to the dtype before reference()."""
     import torch
 
+    from llmc.plugins import cuda
     from llmc.plugins import paged_attention as pa
 
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
@@ -187,12 +208,22 @@ def check(lib, dtype: str, *, group: int, block: int, past: list[int], qlens: li
     cache = rand(2, num_blocks, block, kv_heads, HEAD_DIM)
     past_t, qlens_t = torch.tensor(past, dtype=torch.int32), torch.tensor(qlens, dtype=torch.int32)
     scale = HEAD_DIM ** -0.5
-    ref, _ = pa.reference(*(t.float().numpy() for t in (q, k, v, cache)), past_t.numpy(), qlens_t.numpy(),
+    q_ref, k_ref, rope = q, k, None
+    if rotary is not None:
+        rotary_dim, interleaved = rotary
+        pos = past_t[:, None].double() + torch.arange(seq, dtype=torch.float64)
+        inv_freq = 10000.0 ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+        angles = pos[..., None] * inv_freq
+        cos, sin = angles.cos().to(torch_dtype), angles.sin().to(torch_dtype)
+        q_ref, k_ref = (torch.from_numpy(cuda.apply_rotary(t.float().numpy(), cos.float().numpy(), sin.float().numpy(),
+                                                           interleaved)).to(torch_dtype) for t in (q, k))
+        rope = (cos.cuda(), sin.cuda(), interleaved)
+    ref, _ = pa.reference(*(t.float().numpy() for t in (q_ref, k_ref, v, cache)), past_t.numpy(), qlens_t.numpy(),
                           tables.numpy(), num_heads=heads, num_kv_heads=kv_heads, scale=scale, sliding_window=window)
     dev = [t.cuda() for t in (q, k, v, cache)]
     out = torch.empty_like(dev[0])
     Call(lib, *dev, out, past_t.cuda(), qlens_t.cuda(), tables.cuda(), num_heads=heads, num_kv_heads=kv_heads,
-         scale=scale, window=window)()
+         scale=scale, window=window, rope=rope)()
     torch.cuda.synchronize()
     got = out.float().cpu().numpy()
     valid = np.zeros(got.shape, bool)
@@ -210,6 +241,10 @@ def correctness(lib) -> bool:
              for n in (1, 1000, 4096, 16384, 32768)]
     cases += [("prefill 64 after 32k", dict(past=[32768 - 64, 100], qlens=[64, 10], seq=64)),
               ("window 4096 at 32k", dict(past=[32767, 5000], qlens=[1, 1], seq=1, window=4096))]
+    cases += [(f"RoPE {kind} R={r} {name}", dict(rotary=(r, kind == "interleaved"), **kwargs))
+              for kind in ("halves", "interleaved") for r in (HEAD_DIM, HEAD_DIM // 2)
+              for name, kwargs in (("decode ctx 4096", dict(past=[4095, 1365, 0], qlens=[1, 1, 0], seq=1)),
+                                   ("prefill 64 after 2k", dict(past=[2048 - 64, 100], qlens=[64, 10], seq=64)))]
     all_ok = True
     for dtype in ("fp16", "bf16"):
         tol = {"fp16": 2e-3, "bf16": 2e-2}[dtype]
@@ -231,6 +266,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-check", action="store_true", help="skip the correctness sweep")
     ap.add_argument("--check-only", action="store_true", help="run only the correctness sweep")
+    ap.add_argument("--rope", action="store_true", help="also time each decode call with the RoPE fused")
     args = ap.parse_args()
 
     import torch
@@ -248,11 +284,12 @@ def main() -> None:
     torch.cuda.empty_cache()
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)\n")
     print(f"decode, Hq={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} fp16, block {BLOCK}: K/V bytes read per second")
-    print("| context | batch | splits | llmc µs | llmc GB/s | of copy | SDPA µs | SDPA GB/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| context | batch | splits | llmc µs | llmc GB/s | of copy | SDPA µs | SDPA GB/s |"
+          + (" llmc+RoPE µs |" if args.rope else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if args.rope else ""))
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            print(decode_row(lib, context, batch, args.iters, copy_bw), flush=True)
+            print(decode_row(lib, context, batch, args.iters, copy_bw, rope=args.rope), flush=True)
             torch.cuda.empty_cache()  # the row's pools are garbage now; give their memory back
 
 

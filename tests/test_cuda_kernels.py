@@ -5,7 +5,9 @@ the shared library's host side validates its arguments and sizes its workspace, 
 name, namespace, version and fields match paged_attention.py's op, so the two cannot drift.
 With a GPU (CuPy, else torch with CUDA): the library is run through ctypes and compared with
 paged_attention.reference() over dtypes, block sizes, GQA ratios, contexts up to 4096, ragged
-batches with padding, prefill chunks, sliding windows and softcap.
+batches with padding, prefill chunks, sliding windows, softcap and the fused RoPE (query and key
+rotated by cuda.apply_rotary and rounded, then reference(); the numpy rotation is checked against
+ONNX's RotaryEmbedding here, without a GPU).
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ from llmc.plugins import paged_attention as pa
 NO_NVCC = "nvcc not installed: pip install 'llmc[cuda-build]'"
 needs_nvcc = pytest.mark.skipif(cuda.find_nvcc() is None, reason=NO_NVCC)
 
-# Mangled fragments of the kernels attention.cu must contain: name and template arguments.
-KERNELS = ("paged_attention_decode", "paged_attention_prefill", "paged_attention_split_reduce")
+# Mangled fragments of the kernels attention.cu must contain: name and template arguments. The
+# attention kernels come with and without the fused RoPE (a trailing bool), the reduce without.
+ATTENTION_KERNELS = ("paged_attention_decode", "paged_attention_prefill")
 TYPES = {"fp16": "6__half", "bf16": "13__nv_bfloat16"}
 HEAD_DIMS = (64, 128)
+# kv_write: one bit-copying instantiation for both dtypes, and a rotating one per dtype.
+KV_WRITES = ("8kv_writeI6__halfLb0E", "8kv_writeI6__halfLb1E", "8kv_writeI13__nv_bfloat16Lb1E")
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +77,15 @@ def test_cubin_holds_every_kernel(built, arch):
     assert cubin.is_file() and cubin.stat().st_size > 0
     symbols = elf_symbols(cubin)
     functions = [name for name, info in symbols.items() if info & 0xF == 2]  # STT_FUNC
-    missing = [f"{kernel}<{dtype}, {d}>" for kernel in KERNELS for dtype, mangled in TYPES.items() for d in HEAD_DIMS
-               if not any(f"{len(kernel)}{kernel}I{mangled}Li{d}E" in name for name in functions)]
+    expected = {f"{kernel}<{dtype}, {d}, {rope}>": f"{len(kernel)}{kernel}I{mangled}Li{d}ELb{int(rope)}E"
+                for kernel in ATTENTION_KERNELS for dtype, mangled in TYPES.items() for d in HEAD_DIMS
+                for rope in (False, True)}
+    reduce = "paged_attention_split_reduce"
+    expected.update({f"{reduce}<{dtype}, {d}>": f"{len(reduce)}{reduce}I{mangled}Li{d}E"
+                     for dtype, mangled in TYPES.items() for d in HEAD_DIMS})
+    expected.update({fragment: fragment for fragment in KV_WRITES})
+    missing = [label for label, fragment in expected.items() if not any(fragment in name for name in functions)]
     assert not missing, f"kernels missing from sm_{arch} cubin: {missing}"
-    assert any("8kv_write" in name for name in functions)
 
 
 @needs_nvcc
@@ -109,10 +119,15 @@ def test_plugin_identity_matches_the_op():
     assert constant("kPluginVersion") == str(pa.VERSION)
 
 
+# The plugin's own attribute beyond PagedAttentionAttrs: how the optional cos/sin inputs pair dims.
+PLUGIN_ONLY_FIELDS = [("rotary_interleaved", "kINT32")]
+
+
 def test_plugin_fields_match_the_attributes():
     text = _plugin_text()
     expected = [(f.name, {"int": "kINT32", "float": "kFLOAT32"}[f.type])
                 for f in dataclasses.fields(pa.PagedAttentionAttrs)]
+    expected += [field for field in PLUGIN_ONLY_FIELDS if field not in expected]
     creator = text[text.index("class PagedAttentionCreator"):]
     advertised = re.findall(r'fields_\.emplace_back\("(\w+)", nullptr, PluginFieldType::(\w+), 1\)', creator)
     assert advertised == expected
@@ -127,12 +142,36 @@ def test_plugin_fields_match_the_attributes():
 def test_plugin_io_order_matches_the_op():
     text = _plugin_text()
     inputs = re.search(r"enum Input : int32_t \{([^}]*)\}", text).group(1)
-    names = [n.strip() for n in inputs.split(",")][:-1]  # drop kNumInputs
-    assert len(names) == len(pa.INPUTS) == 7
-    assert names == ["kQuery", "kKey", "kValue", "kCache", "kPastLens", "kQueryLens", "kBlockTables"]
+    names = [n.strip() for n in inputs.split(",")]
+    # The op's 7 inputs, then the optional cos and sin of a fused RoPE (9 inputs).
+    assert len(pa.INPUTS) == 7
+    assert names == ["kQuery", "kKey", "kValue", "kCache", "kPastLens", "kQueryLens", "kBlockTables", "kCos", "kSin"]
+    assert "constexpr int32_t kNumInputs = kBlockTables + 1;" in text
+    assert "constexpr int32_t kNumInputsRope = kSin + 1;" in text
     outputs = re.search(r"enum Output : int32_t \{([^}]*)\}", text).group(1)
     assert [n.strip() for n in outputs.split(",")][:-1] == ["kOutput", "kCacheOut"]
     assert len(pa.OUTPUTS) == 2
+
+
+def test_plugin_accepts_7_or_9_inputs():
+    """Every method TensorRT hands nbInputs to takes both counts; enqueue, which is not told,
+    relies on what onShapeChange recorded."""
+    text = _plugin_text()
+
+    def body(method):
+        start = text.index(f" {method}(")
+        return text[start:text.index("\n    }\n", start)]
+
+    for method in ("configurePlugin", "getOutputDataTypes", "getOutputShapes", "supportsFormatCombination",
+                   "onShapeChange"):
+        assert "valid_io(nbInputs, nbOutputs)" in body(method), method
+    assert "nbInputs != kNumInputs && nbInputs != kNumInputsRope" in body("getWorkspaceSize")
+    for method in ("configurePlugin", "onShapeChange"):
+        assert "rope_ = nbInputs == kNumInputsRope;" in body(method), method
+        assert "check_rope_dims(" in body(method), method
+    enqueue = body("enqueue")
+    assert "if (rope_)" in enqueue and "args.rotary_dim = static_cast<int32_t>(2 * inputDesc[kCos].dims.d[2]);" in enqueue
+    assert "args.rotary_interleaved = attrs_.rotary_interleaved;" in enqueue
 
 
 def test_ctypes_args_match_the_header():
@@ -142,6 +181,51 @@ def test_ctypes_args_match_the_header():
     declared = re.findall(r"(\w+)\s*;", body)
     assert declared == [name for name, _ in cuda.PagedAttentionArgs._fields_]
     assert f"#define LLMC_ATTENTION_ABI_VERSION {cuda.ABI_VERSION}" in header
+    statuses = header[header.index("typedef enum LlmcStatus {"):header.index("} LlmcStatus;")]
+    assert dict((int(v), k) for k, v in re.findall(r"(LLMC_\w+) = (\d+)", statuses)) == cuda.STATUS
+
+
+# --- the RoPE oracle (no GPU needed) -------------------------------------------------------------
+
+def onnx_rotary(x, cos, sin, interleaved, rotary_dim):
+    """ONNX's RotaryEmbedding (opset 23, the reference evaluator) on x [B, H, S, D], float32."""
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+
+    def info(name, shape):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
+
+    node = helper.make_node("RotaryEmbedding", ["x", "cos", "sin"], ["y"], interleaved=int(interleaved),
+                            rotary_embedding_dim=rotary_dim)
+    graph = helper.make_graph([node], "rope", [info("x", x.shape), info("cos", cos.shape), info("sin", sin.shape)],
+                              [info("y", x.shape)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    return ReferenceEvaluator(model).run(None, {"x": x, "cos": cos, "sin": sin})[0]
+
+
+def rope_tables(past_lens, seq, rotary_dim, base=10000.0):
+    """cos and sin [B, S, R/2] of the positions past_lens[b] + j (float32, Llama's frequencies)."""
+    inv_freq = base ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    pos = np.asarray(past_lens, np.float64)[:, None] + np.arange(seq)
+    angles = pos[..., None] * inv_freq
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [16, 8, 6])
+def test_apply_rotary_is_onnx_rotary_embedding(interleaved, rotary_dim):
+    # Bit for bit: the same fp32 products and sums, so the kernels that match apply_rotary match ONNX.
+    rng = np.random.default_rng(rotary_dim)
+    x = rng.standard_normal((2, 3, 5, 16), np.float32)
+    cos, sin = rope_tables([0, 37], 5, rotary_dim)
+    ours = cuda.apply_rotary(x, cos, sin, interleaved)
+    np.testing.assert_array_equal(ours, onnx_rotary(x, cos, sin, interleaved, rotary_dim))
+    np.testing.assert_array_equal(ours[..., rotary_dim:], x[..., rotary_dim:])
+    # A rotation: each pair keeps its length.
+    first = slice(0, rotary_dim, 2) if interleaved else slice(0, rotary_dim // 2)
+    second = slice(1, rotary_dim, 2) if interleaved else slice(rotary_dim // 2, rotary_dim)
+    np.testing.assert_allclose(np.hypot(ours[..., first], ours[..., second]), np.hypot(x[..., first], x[..., second]),
+                               rtol=1e-5)
 
 
 # --- the library's host side (no GPU needed) -----------------------------------------------------
@@ -174,12 +258,41 @@ def test_library_rejects_bad_arguments(lib):
 
 
 @needs_nvcc
+def test_library_rejects_bad_rope_arguments(lib):
+    fake = 1 << 20
+    pointers = dict(query=fake, key=fake, value=fake, cache=fake, output=fake, past_lens=fake, query_lens=fake,
+                    block_tables=fake)
+    tables = dict(rope_cos=fake, rope_sin=fake + 4096)
+    rotary = 9
+    assert cuda.STATUS[rotary] == "LLMC_ERR_ROTARY"
+    bad = [dict(rotary_dim=3, **tables), dict(rotary_dim=130, **tables), dict(rotary_dim=-2, **tables),
+           dict(rotary_dim=66, head_dim=64, **tables), dict(rotary_dim=128, rotary_interleaved=2, **tables),
+           dict(rotary_dim=128, rope_cos=fake), dict(rotary_dim=128, rope_sin=fake),  # one table without the other
+           dict(rotary_dim=128),  # RoPE asked for without its tables
+           dict(rotary_dim=0, **tables)]  # tables without a rotary_dim
+    for change in bad:
+        args = decode_args(**{**pointers, **change})
+        assert lib.llmc_paged_attention(ctypes.byref(args), None) == rotary, change
+    assert "rotary_dim" in lib.llmc_error_string(rotary).decode()
+    # Shape errors come first and make the workspace 0; the table checks wait for a non-empty call.
+    assert lib.llmc_paged_attention_workspace(ctypes.byref(decode_args(rotary_dim=5))) == 0
+    assert lib.llmc_paged_attention(ctypes.byref(decode_args(batch=0, rotary_dim=128)), None) == 0
+    assert lib.llmc_paged_attention(ctypes.byref(decode_args(**{**pointers, "output": None, "rotary_dim": 128})),
+                                    None) == 1
+
+
+@needs_nvcc
 @pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="a CUDA driver is present")
 def test_library_without_a_driver_reports_cuda_error(lib):
     fake = 1 << 20
     args = decode_args(query=fake, key=fake, value=fake, cache=fake, output=fake, past_lens=fake, query_lens=fake,
                        block_tables=fake)
     assert lib.llmc_paged_attention(ctypes.byref(args), None) == 8
+    # Valid RoPE arguments pass every check too (2-byte aligned tables are enough), in both modes.
+    for rotary_dim, interleaved in ((128, 0), (64, 1), (2, 0)):
+        args.rope_cos, args.rope_sin = fake + 2, fake + 6
+        args.rotary_dim, args.rotary_interleaved = rotary_dim, interleaved
+        assert lib.llmc_paged_attention(ctypes.byref(args), None) == 8
 
 
 @needs_nvcc
@@ -284,6 +397,8 @@ class Case:
     max_query_len: int = 0
     workspace: bool = True
     seed: int = 0
+    rotary_dim: int = 0  # > 0: fused RoPE over the first rotary_dim dims
+    interleaved: bool = False
 
 
 def run_case(lib, dev: Device, case: Case):
@@ -307,19 +422,26 @@ def run_case(lib, dev: Device, case: Case):
     past = np.array(case.past_lens, np.int32)
     qlens = np.array(case.query_lens, np.int32)
     scale = d ** -0.5
-    ref_out, ref_cache = pa.reference(q, k, v, cache, past, qlens, tables, num_heads=case.heads,
+    ropes = {}
+    q_ref, k_ref = q, k
+    if case.rotary_dim:
+        # The op with RoPE is the op on q and k rotated in fp32 and rounded once to the dtype.
+        cos, sin = (rounded(t, case.dtype) for t in rope_tables(case.past_lens, case.seq, case.rotary_dim))
+        q_ref, k_ref = (rounded(cuda.apply_rotary(x, cos, sin, case.interleaved), case.dtype) for x in (q, k))
+        ropes = {"rope_cos": cos, "rope_sin": sin}
+    ref_out, ref_cache = pa.reference(q_ref, k_ref, v, cache, past, qlens, tables, num_heads=case.heads,
                                       num_kv_heads=case.kv_heads, scale=scale, sliding_window=case.window,
                                       softcap=case.softcap)
 
     bufs = {name: dev.put(to_bits(x, case.dtype)) for name, x in (("query", q), ("key", k), ("value", v),
-                                                                   ("cache", cache))}
+                                                                   ("cache", cache), *ropes.items())}
     bufs["output"] = dev.put(np.full(shape_q, 0x7FFF, np.uint16))  # NaN in fp16 and bf16: every element must be written
     bufs.update(past_lens=dev.put(past), query_lens=dev.put(qlens), block_tables=dev.put(tables))
     args = cuda.PagedAttentionArgs(
         **{name: dev.ptr(buf) for name, buf in bufs.items()}, batch=batch, seq=case.seq, num_heads=case.heads,
         num_kv_heads=case.kv_heads, head_dim=d, num_blocks=num_blocks, block_size=bs, max_blocks=max_blocks,
         max_query_len=case.max_query_len, dtype=cuda.DTYPES[case.dtype], scale=scale, softcap=case.softcap,
-        sliding_window=case.window)
+        sliding_window=case.window, rotary_dim=case.rotary_dim, rotary_interleaved=int(case.interleaved))
     if case.workspace:
         size = lib.llmc_paged_attention_workspace(ctypes.byref(args))
         bufs["workspace"] = dev.zeros(size)
@@ -403,3 +525,34 @@ def test_without_workspace(lib, gpu, past, chunk):
 def test_large_gqa_group(lib, gpu):
     # MQA-style: 32 query heads on one KV head, more rows than a decode tile holds.
     check_case(lib, gpu, Case(past_lens=[1200, 5], query_lens=[1, 1], seq=1, heads=32, kv_heads=1))
+
+
+# RoPE: (head_dim, rotary_dim) with the rotation over the whole head, half of it, and a rotary_dim
+# whose halves do not fall on 16-byte chunks (a chunk straddles R/2 and R).
+ROPE_DIMS = [(128, 128), (128, 64), (64, 64), (64, 32), (128, 20)]
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), ROPE_DIMS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_rope_decode(lib, gpu, dtype, head_dim, rotary_dim, interleaved):
+    # Ragged decode rows (one split across the context, one padding) with GQA 4.
+    check_case(lib, gpu, Case(past_lens=[1000, 17, 0, 5], query_lens=[1, 1, 1, 0], seq=1, heads=8, kv_heads=2,
+                              head_dim=head_dim, dtype=dtype, rotary_dim=rotary_dim, interleaved=interleaved))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), ROPE_DIMS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_rope_prefill(lib, gpu, dtype, head_dim, rotary_dim, interleaved):
+    # A chunk after a cached prefix, a first chunk, a decode row and a padding row.
+    check_case(lib, gpu, Case(past_lens=[300, 0, 40, 7], query_lens=[70, 33, 1, 0], seq=70, heads=6, kv_heads=2,
+                              head_dim=head_dim, dtype=dtype, rotary_dim=rotary_dim, interleaved=interleaved))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_rope_with_window_padded_decode_and_no_workspace(lib, gpu, interleaved):
+    check_case(lib, gpu, Case(past_lens=[500, 3], query_lens=[1, 1], seq=4, max_query_len=1, window=100,
+                              rotary_dim=128, interleaved=interleaved))
+    check_case(lib, gpu, Case(past_lens=[2000], query_lens=[40], seq=40, workspace=False, rotary_dim=64,
+                              interleaved=interleaved, dtype="bf16"))

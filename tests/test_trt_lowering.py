@@ -68,9 +68,14 @@ def test_every_attention_is_the_plugin_node_with_its_attributes(lowered):
         assert (attrs["num_heads"], attrs["num_kv_heads"]) == (spec.num_heads, spec.num_kv_heads)
         assert attrs["scale"] == pytest.approx(spec.head_dim ** -0.5) and attrs["sliding_window"] == 0
         assert set(attrs) == {f.name for f in dataclasses.fields(pa.PagedAttentionAttrs)} | {
-            "plugin_namespace", "plugin_version"}
-        assert [v.name for v in node.inputs[4:]] == [io.PAST_LENS, io.QUERY_LENS, io.BLOCK_TABLES]
+            "plugin_namespace", "plugin_version", "rotary_interleaved"}
+        assert [v.name for v in node.inputs[4:7]] == [io.PAST_LENS, io.QUERY_LENS, io.BLOCK_TABLES]
         assert node.inputs[3].name.startswith("kv_cache.") and node.outputs[1].name.startswith("kv_cache_out.")
+        # RoPE inside the plugin: Q and K come unrotated, cos/sin [B, S, D/2] are its last inputs.
+        assert len(node.inputs) == 9 and attrs["rotary_interleaved"] == 0
+        assert all(v.producer() is None or v.producer().op_type != "RotaryEmbedding" for v in node.inputs[:2])
+    assert records["trt-plugin"].counts["rope_fused"] == spec.num_layers
+    assert not [n for n in model.graph if n.op_type == "RotaryEmbedding"]
     # Nothing TensorRT's parser would not know: no llmc or ORT-only ops, and no local function that
     # it would inline in place of the plugin.
     assert {n.domain for n in model.graph} == {"", trt_lower.PLUGIN_DOMAIN}
@@ -82,10 +87,24 @@ def test_every_float_is_the_precision_and_the_logits_float32(lowered):
     low = trt_lower.PRECISIONS[precision]
     assert records["trt-precision"].counts["weights"] > 0
     floats = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
-    for value in model.graph.initializers.values():
-        assert value.const_value.dtype in (low, ir.DataType.INT64, ir.DataType.INT32), value.name
+    for value in model.graph.initializers.values():  # the weights; the rotary frequencies stay float32
+        wanted = ir.DataType.FLOAT if "rotary_emb" in value.name else low
+        assert value.const_value.dtype in (wanted, ir.DataType.INT64, ir.DataType.INT32), value.name
     typed = [v for n in model.graph for v in n.outputs if v.type is not None and v.dtype in floats]
-    assert typed and all(v.dtype == low for v in typed if v.name != io.LOGITS)
+    wide = {v for v in typed if v.dtype != low and v.name != io.LOGITS}
+    # Only the rotary angles stay float32: what the plugin's cos/sin are computed from.
+    angles, stack = set(), [v for n in trt_lower.plugin_nodes(model) for v in n.inputs[7:]]
+    while stack:
+        value = stack.pop()
+        if value not in angles and value.producer() is not None:
+            angles.add(value)
+            stack += [v for v in value.producer().inputs if v is not None]
+    assert wide and wide <= angles and all(v.dtype == ir.DataType.FLOAT for v in wide)
+    assert records["trt-precision"].counts["rotary_fp32"] > 0
+    for node in trt_lower.plugin_nodes(model):
+        cos = node.inputs[7]
+        assert cos.dtype == low and cos.producer().op_type == "Cast"
+        assert cos.producer().inputs[0].dtype in (ir.DataType.FLOAT, None)  # computed in float32 (or untyped: inferred)
     outputs = {v.name: v for v in model.graph.outputs}
     assert outputs[io.LOGITS].dtype == ir.DataType.FLOAT
     assert [v.name for v in model.graph.inputs] == list(io.GraphIO.paged(spec.num_layers).inputs)
@@ -104,6 +123,7 @@ def test_onnx_runtime_runs_the_lowered_graph_with_the_reference_plugin(lowered):
     assert records["trt-plugin"].max_abs_diff == 0.0
     rounded = records["trt-precision"].max_abs_diff
     assert rounded is not None and 0 < rounded < 0.1, rounded  # tiny-llama's logits span about +-3
+    assert records["trt-plugin"].counts["rope_fused"] == spec.num_layers  # checked with RoPE unfolded again
 
 
 def test_profiles_cover_decode_and_prefill_steps_and_refuse_what_they_do_not_hold():

@@ -27,8 +27,8 @@ import onnx_ir as ir
 from llmc.contract import graph_io as io
 from llmc.contract import kv_layout
 from llmc.contract.model_spec import ModelSpec
-from llmc.passes.graph import const_ints, perm, producer
-from llmc.passes.rewrite import Rule, RulePass
+from llmc.passes.graph import const_ints, perm, producer, rotary, shared_rotary
+from llmc.passes.rewrite import Rule, RulePass, rotary_operands
 from llmc.plugins import cpu
 from llmc.plugins import paged_attention as pa
 
@@ -48,19 +48,6 @@ def _token_major(value: ir.Value, head_dim: int) -> ir.Value | None:
     if source.shape is None or len(source.shape) != 3 or split is None or len(split) != 4 or split[3] != head_dim:
         return None
     return source
-
-
-def _rope(value: ir.Value) -> tuple[ir.Value, ir.Node | None]:
-    """(inner value, RotaryEmbedding node) when `value` is a RotaryEmbedding's output over 4-D
-    [B, H, S, D] with per-token cos/sin (no position_ids), else (value, None)."""
-    node = producer(value, "RotaryEmbedding")
-    if node is None or (len(node.inputs) > 3 and node.inputs[3] is not None):
-        return value, None
-    return node.inputs[0], node
-
-
-def _rope_attrs(node: ir.Node) -> tuple[int, int]:
-    return node.attributes.get_int("interleaved", 0), node.attributes.get_int("rotary_embedding_dim", 0)
 
 
 def _splits_last_axis(split: ir.Node) -> bool:
@@ -90,19 +77,11 @@ class PagedAttentionKernel(Rule):
                                  _outputs=2, _name="node")
 
     def check(self, m):
-        (_, rope_q), (_, rope_k) = _rope(m.q), _rope(m.k)
-        if (rope_q is None) != (rope_k is None):
-            return "only one of Q and K has a RotaryEmbedding"
-        if rope_q is not None:
-            if list(rope_q.inputs[1:3]) != list(rope_k.inputs[1:3]):
-                return "Q and K rotate with different cos/sin"
-            if _rope_attrs(rope_q) != _rope_attrs(rope_k):
-                return "Q and K's RotaryEmbedding attributes differ"
-        return None
+        return shared_rotary(m.q, m.k)
 
     def rewrite(self, op, m):
         spec, node = self.spec, m.node
-        (q, rope), (k, _) = _rope(m.q), _rope(m.k)
+        (q, rope), (k, _) = rotary(m.q), rotary(m.k)
         sources = []
         for value in (q, k, m.v):
             source = _token_major(value, spec.head_dim)
@@ -111,13 +90,9 @@ class PagedAttentionKernel(Rule):
             sources.append(source)
         packed = _packed_source(sources, spec)
         qkv = [packed, None, None] if packed is not None else sources
-        cos_sin = list(rope.inputs[1:3]) if rope is not None else [None, None]
-        interleaved, rotary_dim = _rope_attrs(rope) if rope is not None else (0, 0)
-        if rotary_dim:
-            # Partial rotation: the kernel learns the rotated width from cos's last dim.
-            cos_sin = [op.Slice(v, op.const([0]), op.const([rotary_dim // 2]), op.const([-1])) for v in cos_sin]
+        cos, sin, interleaved = rotary_operands(op, rope)
         attrs = {f.name: node.attributes[f.name] for f in dataclasses.fields(pa.PagedAttentionAttrs)}
-        out, cache_out = op.PagedAttention(*qkv, m.cache, m.past_lens, m.query_lens, m.block_tables, *cos_sin,
+        out, cache_out = op.PagedAttention(*qkv, m.cache, m.past_lens, m.query_lens, m.block_tables, cos, sin,
                                            domain=cpu.DOMAIN, num_outputs=2, rotary_interleaved=interleaved,
                                            **attrs)
         out.type = node.outputs[0].type

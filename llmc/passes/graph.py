@@ -41,5 +41,33 @@ def perm(node: ir.Node) -> tuple[int, ...] | None:
     return tuple(attr.value) if attr is not None else None
 
 
+def rotary(value: ir.Value) -> tuple[ir.Value, ir.Node | None]:
+    """(inner value, RotaryEmbedding node) when `value` is a RotaryEmbedding's output over 4-D
+    [B, H, S, D] with per-token cos/sin (no position_ids), else (value, None)."""
+    node = producer(value, "RotaryEmbedding")
+    if node is None or (len(node.inputs) > 3 and node.inputs[3] is not None):
+        return value, None
+    return node.inputs[0], node
+
+
+def rotary_attrs(node: ir.Node) -> tuple[int, int]:
+    """(interleaved, rotary_embedding_dim) of a RotaryEmbedding."""
+    return node.attributes.get_int("interleaved", 0), node.attributes.get_int("rotary_embedding_dim", 0)
+
+
+def shared_rotary(q: ir.Value, k: ir.Value) -> str | None:
+    """Why Q and K's RotaryEmbedding cannot be folded into an attention kernel as one rotation, or
+    None (both rotated alike, or neither)."""
+    (_, rope_q), (_, rope_k) = rotary(q), rotary(k)
+    if (rope_q is None) != (rope_k is None):
+        return "only one of Q and K has a RotaryEmbedding"
+    if rope_q is not None:
+        if list(rope_q.inputs[1:3]) != list(rope_k.inputs[1:3]):
+            return "Q and K rotate with different cos/sin"
+        if rotary_attrs(rope_q) != rotary_attrs(rope_k):
+            return "Q and K's RotaryEmbedding attributes differ"
+    return None
+
+
 def count_nodes(model: ir.Model) -> int:
     return sum(1 for _ in model.graph)

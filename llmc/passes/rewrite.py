@@ -25,7 +25,7 @@ from onnx_ir.passes import common as ir_passes
 
 from llmc.contract.model_spec import ModelSpec
 from llmc.ir_builder import OpBuilder
-from llmc.passes.graph import count_nodes, graph_input
+from llmc.passes.graph import count_nodes, graph_input, rotary_attrs
 from llmc.passes.manager import Pass, PassResult
 from llmc.passes.pattern import Match, Pattern
 from llmc.plugins import cpu
@@ -75,6 +75,19 @@ class Replacement(OpBuilder):
     def count(self, key: str, n: int = 1) -> None:
         """Something that rode along with the rewrite, counted under its own key."""
         self.counts[key] += n
+
+
+def rotary_operands(op: Replacement, rope: ir.Node | None) -> tuple[ir.Value | None, ir.Value | None, int]:
+    """(cos, sin, interleaved) an attention kernel takes to apply a RotaryEmbedding itself:
+    cos/sin cut to the rotated half-width (the kernel learns the rotary dim from their last
+    axis), or (None, None, 0) without one."""
+    if rope is None:
+        return None, None, 0
+    interleaved, rotary_dim = rotary_attrs(rope)
+    cos, sin = rope.inputs[1:3]
+    if rotary_dim:  # partial rotation
+        cos, sin = (op.Slice(v, op.const([0]), op.const([rotary_dim // 2]), op.const([-1])) for v in (cos, sin))
+    return cos, sin, interleaved
 
 
 class Rule:

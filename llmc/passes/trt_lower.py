@@ -4,12 +4,14 @@
   plugin (llmc/plugins/cuda): op_type PagedAttention (the plugin's name), the attributes
   `plugin_namespace` "llmc" and `plugin_version` "1" beside the op's own, in the domain
   `trt.plugins` (where ONNX Runtime's TensorRT provider also looks for TensorRT plugins). The
-  plugin means exactly what the op's function and numpy reference mean: the KV write happens
-  inside it, in place.
+  plugin means what the op's function and numpy reference mean, the KV write in place inside
+  it; where Q and K are rotated alike it also applies their RotaryEmbedding (cos/sin as two
+  more inputs, `rotary_interleaved`; rope_fused), so the rotated K goes straight to the pool.
 - trt-precision: TensorRT 11 builds only strongly typed networks, so the graph's types are its
   precision. Every float32 tensor becomes fp16 or bf16: weights, constants, casts, every value
   and the KV pools. Blockwise `DequantizeLinear` weights (int8/int4) follow their scales' type.
-  The logits are cast back to float32, which sampling and log-probabilities read.
+  Two things stay float32: the rotary angles (cos/sin are computed in fp32 and rounded once, as
+  transformers does) and the logits, cast back for sampling and log-probabilities.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import onnx_ir as ir
 from llmc.contract import graph_io as io
 from llmc.contract.model_spec import ModelSpec
 from llmc.passes.manager import Pass, PassResult
-from llmc.passes.rewrite import Rule, RulePass
+from llmc.passes.graph import const_ints, producer, rotary, shared_rotary
+from llmc.passes.rewrite import Rule, RulePass, rotary_operands
 from llmc.plugins import paged_attention as pa
 
 PLUGIN_DOMAIN = "trt.plugins"
@@ -39,10 +42,15 @@ class PluginNode(Rule):
                                  _outputs=2, _name="node")
 
     def rewrite(self, op, m):
+        q, k, rope = m.q, m.k, None
+        if shared_rotary(m.q, m.k) is None:  # Q and K rotated alike (or not at all): the plugin rotates
+            (q, rope), (k, _) = rotary(m.q), rotary(m.k)
+        cos, sin, interleaved = rotary_operands(op, rope)
+        op.count("rope_fused", int(rope is not None))
         attrs = {f.name: m.node.attributes[f.name] for f in dataclasses.fields(pa.PagedAttentionAttrs)}
-        return op.PagedAttention(m.q, m.k, m.v, m.cache, m.past_lens, m.query_lens, m.block_tables,
-                                 domain=PLUGIN_DOMAIN, num_outputs=2, plugin_namespace=PLUGIN_NAMESPACE,
-                                 plugin_version=PLUGIN_VERSION, **attrs)
+        inputs = [q, k, m.v, m.cache, m.past_lens, m.query_lens, m.block_tables] + ([cos, sin] if rope else [])
+        return op.PagedAttention(*inputs, domain=PLUGIN_DOMAIN, num_outputs=2, plugin_namespace=PLUGIN_NAMESPACE,
+                                 plugin_version=PLUGIN_VERSION, rotary_interleaved=interleaved, **attrs)
 
 
 class TensorRTPlugin(RulePass):
@@ -65,14 +73,36 @@ def plugin_nodes(model: ir.Model) -> list[ir.Node]:
 
 
 def with_reference_plugin(model: ir.Model) -> ir.Model:
-    """A copy of a lowered model that ONNX Runtime runs: the plugin's meaning (the op's function)
-    attached under the plugin's domain. For checking the lowering's numbers on a CPU."""
+    """A copy of a lowered model that ONNX Runtime runs, for checking the lowering's numbers on a
+    CPU: each plugin node becomes what it means, its folded RotaryEmbedding (if any) before the
+    op's function, which is attached under the plugin's domain."""
     copy = ir.from_proto(ir.to_proto(model))
+    for node in plugin_nodes(copy):
+        if len(node.inputs) > len(pa.INPUTS):
+            _unfold_rotary(copy.graph, node)
     body = pa.build_function()
-    extra = [ir.Attr(name, ir.AttributeType.UNDEFINED, None) for name in ("plugin_namespace", "plugin_version")]
+    extra = [ir.Attr(name, ir.AttributeType.UNDEFINED, None)
+             for name in ("plugin_namespace", "plugin_version", "rotary_interleaved")]
     function = ir.Function(PLUGIN_DOMAIN, pa.OP_TYPE, graph=body.graph, attributes=[*body.attributes.values(), *extra])
     copy.functions[function.identifier()] = function
+    copy.opset_imports[""] = max(copy.opset_imports.get("", 0), pa.ONNX_OPSET)
     return copy
+
+
+def _unfold_rotary(graph: ir.Graph, node: ir.Node) -> None:
+    q, k, *rest = node.inputs[:len(pa.INPUTS)]
+    cos, sin = node.inputs[len(pa.INPUTS):]
+    cut = producer(cos, "Slice")  # a partial rotation's cos/sin are cut to its half-width (rotary_operands)
+    ends = const_ints(cut.inputs[2]) if cut is not None else None
+    rotated_dim = 2 * ends[0] if ends else 0
+    interleaved = node.attributes.get_int("rotary_interleaved", 0)
+    ropes = [ir.node("RotaryEmbedding", [x, cos, sin], attributes={"interleaved": interleaved,
+                                                                  "rotary_embedding_dim": rotated_dim})
+             for x in (q, k)]
+    plain = ir.node(node.op_type, [ropes[0].outputs[0], ropes[1].outputs[0], *rest], domain=node.domain,
+                    attributes=dict(node.attributes), num_outputs=2, name=node.name)
+    ir.convenience.replace_nodes_and_values(graph, node, [node], [*ropes, plain], list(node.outputs),
+                                            list(plain.outputs))
 
 
 class TensorRTPrecision(Pass):
@@ -86,12 +116,17 @@ class TensorRTPrecision(Pass):
         self.dtype = PRECISIONS[precision]
 
     def apply(self, model: ir.Model, spec: ModelSpec) -> PassResult:
-        graph, target, counts = model.graph, self.dtype, {"weights": 0, "constants": 0, "casts": 0, "values": 0}
+        graph, target = model.graph, self.dtype
+        angles, angle_outputs = _rotary_angles(graph)
+        counts = {"weights": 0, "constants": 0, "casts": 0, "values": 0, "rotary_fp32": len(angles)}
         for value in graph.initializers.values():
-            if value.const_value is not None and value.const_value.dtype == ir.DataType.FLOAT:
+            if value.const_value is not None and value.const_value.dtype == ir.DataType.FLOAT and \
+                    not all(user in angles for user, _ in value.uses()):
                 value.const_value = _converted(value.const_value, target, value.name)
                 counts["weights"] += 1
         for node in graph:
+            if node in angles:
+                continue
             for attr in node.attributes.values():
                 if attr.type == ir.AttributeType.TENSOR and attr.value.dtype == ir.DataType.FLOAT:
                     node.attributes[attr.name] = ir.AttrTensor(attr.name, _converted(attr.value, target, attr.name))
@@ -100,9 +135,16 @@ class TensorRTPrecision(Pass):
                 node.attributes["to"] = ir.AttrInt64("to", target)
                 counts["casts"] += 1
         for value in _all_values(graph):
-            if value.type is not None and value.dtype == ir.DataType.FLOAT:
+            if value.type is not None and value.dtype == ir.DataType.FLOAT and value.producer() not in angles:
                 value.type = ir.TensorType(target)
                 counts["values"] += 1
+        for value in angle_outputs:  # the angles' cos/sin, rounded once where the attention reads them
+            cast = ir.node("Cast", [value], attributes={"to": target}, name=f"{value.name}.to_{self.precision}")
+            cast.outputs[0].type, cast.outputs[0].shape = ir.TensorType(target), value.shape
+            graph.insert_after(value.producer(), cast)
+            for user, index in list(value.uses()):
+                if user is not cast and user not in angles:
+                    user.replace_input_with(index, cast.outputs[0])
         self._logits_in_float32(graph)
         return PassResult(any(counts.values()), counts)
 
@@ -116,6 +158,27 @@ class TensorRTPrecision(Pass):
             ir.DataType.FLOAT), low.shape
         graph.append(cast)
         graph.outputs[slot] = cast.outputs[0]
+
+
+def _rotary_angles(graph: ir.Graph) -> tuple[set[ir.Node], list[ir.Value]]:
+    """The nodes computing rotary cos/sin (everything their values depend on), and those values.
+    They stay float32: a position times a frequency in fp16 is off by radians at a few thousand
+    tokens, so only the cos/sin are rounded, as transformers computes them."""
+    roots = []
+    for node in graph:
+        if node.domain == PLUGIN_DOMAIN and node.op_type == pa.OP_TYPE:
+            roots += node.inputs[len(pa.INPUTS):]
+        elif node.op_type == "RotaryEmbedding" and node.domain == "":
+            roots += node.inputs[1:3]
+    roots = [v for v in dict.fromkeys(roots) if v is not None and v.producer() is not None]
+    angles: set[ir.Node] = set()
+    stack = [v.producer() for v in roots]
+    while stack:
+        node = stack.pop()
+        if node not in angles:
+            angles.add(node)
+            stack += [v.producer() for v in node.inputs if v is not None and v.producer() is not None]
+    return angles, [v for v in roots if v.dtype in (ir.DataType.FLOAT, None)]
 
 
 def _all_values(graph: ir.Graph):

@@ -27,11 +27,11 @@ LIBRARY_NAME = "libllmc_cuda_attention.so"
 NVCC_ENV = "LLMC_NVCC"  # an nvcc to use instead of the search below
 INSTALL_HINT = "pip install 'llmc[cuda-build]'"
 SHARED_ARCHS = ("80", "90")  # machine code for these; PTX for the last, for newer GPUs to JIT
-ABI_VERSION = 1  # LLMC_ATTENTION_ABI_VERSION
+ABI_VERSION = 2  # LLMC_ATTENTION_ABI_VERSION
 DTYPES = {"fp16": 0, "bf16": 1}
 STATUS = {0: "LLMC_OK", 1: "LLMC_ERR_NULL_POINTER", 2: "LLMC_ERR_BAD_SHAPE", 3: "LLMC_ERR_HEAD_DIM",
           4: "LLMC_ERR_DTYPE", 5: "LLMC_ERR_HEADS", 6: "LLMC_ERR_ALIGNMENT", 7: "LLMC_ERR_ATTRIBUTE",
-          8: "LLMC_ERR_CUDA"}
+          8: "LLMC_ERR_CUDA", 9: "LLMC_ERR_ROTARY"}
 
 
 def _wheel_nvcc() -> Path | None:
@@ -120,8 +120,30 @@ class PagedAttentionArgs(ctypes.Structure):
         ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("num_blocks", ctypes.c_int32),
         ("block_size", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("max_query_len", ctypes.c_int32),
         ("dtype", ctypes.c_int32), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-        ("sliding_window", ctypes.c_int32), ("workspace", ctypes.c_void_p), ("workspace_size", ctypes.c_size_t),
+        ("sliding_window", ctypes.c_int32), ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p),
+        ("rotary_dim", ctypes.c_int32), ("rotary_interleaved", ctypes.c_int32),
+        ("workspace", ctypes.c_void_p), ("workspace_size", ctypes.c_size_t),
     ]
+
+
+def apply_rotary(x, cos, sin, interleaved: bool = False):
+    """Numpy oracle of the kernels' RoPE (ONNX RotaryEmbedding): x [B, H, S, D], cos and sin
+    [B, S, R/2] -> x with its first R dims of every head rotated, in float32. Pairs are (i, i + R/2)
+    (interleaved=False) or (2i, 2i + 1); out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin. The
+    caller rounds to the storage dtype, once, as the kernels do."""
+    import numpy as np
+
+    x = np.asarray(x, np.float32)
+    cos = np.asarray(cos, np.float32)[:, None]
+    sin = np.asarray(sin, np.float32)[:, None]
+    half = cos.shape[-1]
+    first, second = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved else (
+        slice(0, half), slice(half, 2 * half))
+    x1, x2 = x[..., first], x[..., second]
+    out = x.copy()
+    out[..., first] = x1 * cos - x2 * sin
+    out[..., second] = x2 * cos + x1 * sin
+    return out
 
 
 def load_library(path) -> ctypes.CDLL:

@@ -13,6 +13,13 @@
 // tile holds whole GQA groups and any group size works (a tile may end mid-group).
 // Both matrix products run on tensor cores through WMMA with fp32 accumulation; the softmax and
 // all bookkeeping are fp32. K/V tiles stream through a two-stage cp.async pipeline.
+//
+// Rotary embedding (rotary_dim > 0) is fused, each kernel instantiated with and without it (the
+// kRope template flag) so that the plain path keeps its code: kv_write rotates each K chunk in
+// registers between its load and its store to the cache (so the cache holds rotated keys), and
+// the attention kernels rotate the query tile in shared memory once its cp.async lands, while the
+// first K/V tile is still in flight. Both compute in fp32 without FMA contraction and round once,
+// exactly like numpy's fp32 x1*cos - x2*sin, x2*cos + x1*sin.
 
 #include "llmc_attention.h"
 
@@ -62,14 +69,19 @@ struct Params {
     int window;
     float scale, softcap;
     int num_splits, partition;       // partition: tokens per split, a multiple of kKvTile
+    const void* rope_cos;            // [B, seq, rotary_dim / 2], the query's dtype; null: no RoPE
+    const void* rope_sin;
+    int rotary_dim, rotary_interleaved;
 };
 
 template <typename T> struct Num;
 template <> struct Num<__half> {
     static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+    static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 };
 template <> struct Num<__nv_bfloat16> {
     static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+    static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
 
 template <typename T> struct alignas(16) Pack8 { T v[8]; };
@@ -101,6 +113,20 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// One rotated element: x1*cos - x2*sin for the first of a pair (x = x1, partner = x2), x2*cos +
+// x1*sin for the second (x = x2, partner = x1). Explicit roundings: no FMA contraction, so the
+// result is numpy's fp32 one bit for bit and the key written to the cache is reproducible.
+__device__ __forceinline__ float rope_rotate(float x, float partner, float c, float s, bool second) {
+    const float ps = __fmul_rn(partner, s);
+    return __fadd_rn(__fmul_rn(x, c), second ? ps : -ps);
+}
+
+// The cos (or sin) row of token j of row b: [B, seq, rotary_dim / 2].
+template <typename T>
+__device__ __forceinline__ const T* rope_row(const void* table, const Params& p, int b, int j) {
+    return static_cast<const T*>(table) + (static_cast<int64_t>(b) * p.seq + j) * (p.rotary_dim / 2);
+}
+
 __host__ __device__ constexpr size_t round128(size_t x) { return (x + 127) / 128 * 128; }
 __host__ __device__ constexpr size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
 
@@ -125,7 +151,7 @@ template <int D, int M> struct Smem {
     static constexpr size_t bytes = stat_off + round128(kStats);
 };
 
-template <typename T, int D, int M>
+template <typename T, int D, int M, bool kRope>
 __device__ __forceinline__ void attend(const Params& p) {
     using L = Smem<D, M>;
     constexpr int kChunks = D / 8;           // 16-byte chunks per head row
@@ -188,6 +214,9 @@ __device__ __forceinline__ void attend(const Params& p) {
         if (ok) src += ((static_cast<int64_t>(b) * p.num_heads + kvh * G + g) * p.seq + j) * D + dc * 8;
         cp_async16(q_s + r * L::kLd + dc * 8, src, ok);
     }
+    // With RoPE the query tile is a commit group of its own, so it can be waited for (and rotated)
+    // alone while the first K/V tile is still loading; without, it rides with that tile.
+    if constexpr (kRope) cp_async_commit();
 
     auto load_tile = [&](int kv_tile, int stage) {
         const int t0 = kv_tile * kKvTile;
@@ -206,6 +235,35 @@ __device__ __forceinline__ void attend(const Params& p) {
         }
     };
 
+    if constexpr (kRope) {
+        // Start the first K/V tile, then rotate the query tile in place while it loads: a warp per
+        // row, a lane per pair, fp32, one rounding. Done before the accumulators come alive (and
+        // the loops kept rolled) so that it adds no register pressure to the main loop. The
+        // __syncthreads below orders these writes before the first Q.K^T product.
+        if (n_tiles > 0) load_tile(tile_first, 0);
+        cp_async_commit();
+        cp_async_wait<1>();   // the query group has landed; the K/V tile may still be in flight
+        __syncthreads();
+        const int half = p.rotary_dim / 2;
+        const bool inter = p.rotary_interleaved != 0;
+#pragma unroll 1
+        for (int r = warp; r < M; r += kWarps) {
+            const int rg = row0 + r, j = rg / G;
+            if (rg >= rows_total || j >= qlen) continue;   // zero rows stay zero
+            const T* cos_row = rope_row<T>(p.rope_cos, p, b, j);
+            const T* sin_row = rope_row<T>(p.rope_sin, p, b, j);
+            T* row = q_s + r * L::kLd;
+#pragma unroll 1
+            for (int i = lane; i < half; i += 32) {
+                const float co = Num<T>::to_float(cos_row[i]), si = Num<T>::to_float(sin_row[i]);
+                const int d1 = inter ? 2 * i : i, d2 = inter ? 2 * i + 1 : i + half;
+                const float x1 = Num<T>::to_float(row[d1]), x2 = Num<T>::to_float(row[d2]);
+                row[d1] = Num<T>::from_float(rope_rotate(x1, x2, co, si, false));
+                row[d2] = Num<T>::from_float(rope_rotate(x2, x1, co, si, true));
+            }
+        }
+    }
+
     // WMMA does not document which (row, col) each accumulator element holds; loading a tile of
     // row numbers into an accumulator fragment reveals it, so O can be rescaled per row in place.
     for (int i = tid; i < 16 * 16; i += kThreads) s_s[(i / 16) * L::kSld + i % 16] = static_cast<float>(i / 16);
@@ -221,8 +279,10 @@ __device__ __forceinline__ void attend(const Params& p) {
 #pragma unroll
     for (int i = 0; i < kFragsPerWarp; ++i) wmma::fill_fragment(acc[i], 0.f);
 
-    if (n_tiles > 0) load_tile(tile_first, 0);
-    cp_async_commit();
+    if constexpr (!kRope) {
+        if (n_tiles > 0) load_tile(tile_first, 0);
+        cp_async_commit();
+    }
 
     for (int n = 0; n < n_tiles; ++n) {
         const int stage = n & 1;
@@ -342,14 +402,14 @@ __device__ __forceinline__ void attend(const Params& p) {
     }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kRope>
 __global__ void __launch_bounds__(kThreads) paged_attention_decode(Params p) {
-    attend<T, D, kDecodeRows>(p);
+    attend<T, D, kDecodeRows, kRope>(p);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kRope>
 __global__ void __launch_bounds__(kThreads) paged_attention_prefill(Params p) {
-    attend<T, D, kPrefillRows>(p);
+    attend<T, D, kPrefillRows, kRope>(p);
 }
 
 // One warp per (row, head, token): merges the splits that overlap the token's attention range,
@@ -395,8 +455,47 @@ __global__ void __launch_bounds__(kThreads) paged_attention_split_reduce(Params 
     for (int e = 0; e < kPer; ++e) out[e] = Num<T>::from_float(acc[e] * inv);
 }
 
-// One CTA per (token, row): copies the token's K and V head rows (16 bytes a thread) to its slot.
-// Padding tokens are skipped: their slot would be scratch block 0, which nothing reads.
+// One 16-byte chunk of a key head row (D elements of T, `row`), rotated: the chunk is loaded once
+// and rotated in registers; an interleaved pair lies within the chunk (chunks start at even
+// elements), a rotate-halves partner rotary_dim / 2 away is a scalar load (L1 hits: the
+// neighbouring threads load its chunk).
+template <typename T>
+__device__ __forceinline__ Pack8<T> rotated_key_chunk(const Params& p, const T* row, int b, int j, int dc) {
+    const Pack8<T> x = *reinterpret_cast<const Pack8<T>*>(row + dc * 8);
+    const T* cos_row = rope_row<T>(p.rope_cos, p, b, j);
+    const T* sin_row = rope_row<T>(p.rope_sin, p, b, j);
+    const int half = p.rotary_dim / 2;
+    Pack8<T> out;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int d = dc * 8 + e;
+        if (d >= p.rotary_dim) {
+            out.v[e] = x.v[e];
+            continue;
+        }
+        int i;
+        bool second;
+        T partner;
+        if (p.rotary_interleaved) {
+            i = d >> 1;
+            second = d & 1;
+            partner = x.v[e ^ 1];
+        } else {
+            second = d >= half;
+            i = second ? d - half : d;
+            partner = row[second ? d - half : d + half];
+        }
+        out.v[e] = Num<T>::from_float(rope_rotate(Num<T>::to_float(x.v[e]), Num<T>::to_float(partner),
+                                                  Num<T>::to_float(cos_row[i]), Num<T>::to_float(sin_row[i]), second));
+    }
+    return out;
+}
+
+// One CTA per (token, row): copies the token's K and V head rows (16 bytes a thread) to its slot,
+// rotating K's first rotary_dim elements on the way with kRope. Without RoPE it copies bits, so
+// one instantiation (T = __half) serves both dtypes. Padding tokens are skipped: their slot would
+// be scratch block 0, which nothing reads.
+template <typename T, bool kRope>
 __global__ void __launch_bounds__(kThreads) kv_write(Params p) {
     const int j = blockIdx.x, b = blockIdx.y;
     const int past = p.past_lens[b];
@@ -418,8 +517,17 @@ __global__ void __launch_bounds__(kThreads) kv_write(Params p) {
         const int cc = is_v ? c - per_token : c;
         const int h = cc / chunks, dc = cc % chunks;
         const int64_t src = ((static_cast<int64_t>(b) * p.num_kv_heads + h) * p.seq + j) * chunks + dc;
-        if (is_v) v_dst[cc] = value[src];
-        else k_dst[cc] = key[src];
+        if (is_v) {
+            v_dst[cc] = value[src];
+        } else if constexpr (kRope) {
+            if (dc * 8 < p.rotary_dim)
+                *reinterpret_cast<Pack8<T>*>(k_dst + cc) =
+                    rotated_key_chunk<T>(p, reinterpret_cast<const T*>(key + (src - dc)), b, j, dc);
+            else
+                k_dst[cc] = key[src];
+        } else {
+            k_dst[cc] = key[src];
+        }
     }
 }
 
@@ -477,6 +585,9 @@ int check(const LlmcPagedAttentionArgs* a) {
     if (a->dtype != LLMC_DTYPE_FP16 && a->dtype != LLMC_DTYPE_BF16) return LLMC_ERR_DTYPE;
     if (a->sliding_window < 0 || !(a->softcap >= 0.f) || !std::isfinite(a->softcap) || !std::isfinite(a->scale))
         return LLMC_ERR_ATTRIBUTE;
+    if (a->rotary_dim < 0 || a->rotary_dim % 2 != 0 || a->rotary_dim > a->head_dim ||
+        (a->rotary_interleaved != 0 && a->rotary_interleaved != 1))
+        return LLMC_ERR_ROTARY;
     return LLMC_OK;
 }
 
@@ -494,22 +605,22 @@ cudaError_t allow_smem(Kernel kernel, size_t bytes, std::atomic<uint64_t>& done)
     return err;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kRope>
 cudaError_t launch(const Params& p, const Plan& plan, cudaStream_t stream) {
     const dim3 grid(plan.row_tiles * plan.num_splits, p.num_kv_heads, p.batch);
     cudaError_t err;
     if (plan.decode) {
         static std::atomic<uint64_t> done{0};
         constexpr size_t bytes = Smem<D, kDecodeRows>::bytes;
-        err = allow_smem(paged_attention_decode<T, D>, bytes, done);
+        err = allow_smem(paged_attention_decode<T, D, kRope>, bytes, done);
         if (err != cudaSuccess) return err;
-        paged_attention_decode<T, D><<<grid, kThreads, bytes, stream>>>(p);
+        paged_attention_decode<T, D, kRope><<<grid, kThreads, bytes, stream>>>(p);
     } else {
         static std::atomic<uint64_t> done{0};
         constexpr size_t bytes = Smem<D, kPrefillRows>::bytes;
-        err = allow_smem(paged_attention_prefill<T, D>, bytes, done);
+        err = allow_smem(paged_attention_prefill<T, D, kRope>, bytes, done);
         if (err != cudaSuccess) return err;
-        paged_attention_prefill<T, D><<<grid, kThreads, bytes, stream>>>(p);
+        paged_attention_prefill<T, D, kRope><<<grid, kThreads, bytes, stream>>>(p);
     }
     if (plan.num_splits > 1) {
         const int64_t warps = static_cast<int64_t>(p.batch) * p.num_heads * p.rows_seq;
@@ -517,6 +628,19 @@ cudaError_t launch(const Params& p, const Plan& plan, cudaStream_t stream) {
         paged_attention_split_reduce<T, D><<<blocks, kThreads, 0, stream>>>(p);
     }
     return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_all(const Params& p, const Plan& plan, bool rope, cudaStream_t stream) {
+    if (rope) {
+        kv_write<T, true><<<dim3(plan.rows_seq, p.batch), kThreads, 0, stream>>>(p);
+    } else {
+        kv_write<__half, false><<<dim3(plan.rows_seq, p.batch), kThreads, 0, stream>>>(p);
+    }
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    if (p.head_dim == 64) return rope ? launch<T, 64, true>(p, plan, stream) : launch<T, 64, false>(p, plan, stream);
+    return rope ? launch<T, 128, true>(p, plan, stream) : launch<T, 128, false>(p, plan, stream);
 }
 
 }  // namespace llmc
@@ -537,6 +661,9 @@ extern "C" int llmc_paged_attention(const LlmcPagedAttentionArgs* args, cudaStre
     if (a.batch == 0 || a.seq == 0) return LLMC_OK;
     if (!a.query || !a.key || !a.value || !a.cache || !a.output || !a.past_lens || !a.query_lens || !a.block_tables)
         return LLMC_ERR_NULL_POINTER;
+    // RoPE is on iff rotary_dim > 0, and then needs both tables; off, it takes neither.
+    const bool rope = a.rotary_dim > 0;
+    if ((a.rope_cos != nullptr) != rope || (a.rope_sin != nullptr) != rope) return LLMC_ERR_ROTARY;
     if (!aligned16(a.query) || !aligned16(a.key) || !aligned16(a.value) || !aligned16(a.cache) ||
         !aligned16(a.output) || !aligned16(a.workspace))
         return LLMC_ERR_ALIGNMENT;
@@ -575,6 +702,10 @@ extern "C" int llmc_paged_attention(const LlmcPagedAttentionArgs* args, cudaStre
     p.softcap = a.softcap;
     p.num_splits = plan.num_splits;
     p.partition = plan.partition;
+    p.rope_cos = a.rope_cos;
+    p.rope_sin = a.rope_sin;
+    p.rotary_dim = a.rotary_dim;
+    p.rotary_interleaved = a.rotary_interleaved;
     if (plan.num_splits > 1) {
         const size_t rows = static_cast<size_t>(a.batch) * a.num_heads * plan.rows_seq * plan.num_splits;
         p.partial_o = static_cast<float*>(a.workspace);
@@ -586,15 +717,8 @@ extern "C" int llmc_paged_attention(const LlmcPagedAttentionArgs* args, cudaStre
         const size_t bytes = static_cast<size_t>(a.batch) * a.num_heads * a.seq * a.head_dim * 2;
         if (cudaMemsetAsync(a.output, 0, bytes, stream) != cudaSuccess) return LLMC_ERR_CUDA;
     }
-    kv_write<<<dim3(plan.rows_seq, a.batch), kThreads, 0, stream>>>(p);
-    if (cudaGetLastError() != cudaSuccess) return LLMC_ERR_CUDA;
-
-    cudaError_t err;
-    const bool bf16 = a.dtype == LLMC_DTYPE_BF16;
-    if (a.head_dim == 64)
-        err = bf16 ? launch<__nv_bfloat16, 64>(p, plan, stream) : launch<__half, 64>(p, plan, stream);
-    else
-        err = bf16 ? launch<__nv_bfloat16, 128>(p, plan, stream) : launch<__half, 128>(p, plan, stream);
+    const cudaError_t err = a.dtype == LLMC_DTYPE_BF16 ? launch_all<__nv_bfloat16>(p, plan, rope, stream)
+                                                       : launch_all<__half>(p, plan, rope, stream);
     return err == cudaSuccess ? LLMC_OK : LLMC_ERR_CUDA;
 }
 
@@ -609,6 +733,9 @@ extern "C" const char* llmc_error_string(int status) {
         case LLMC_ERR_ALIGNMENT: return "query, key, value, cache, output and workspace must be 16-byte aligned";
         case LLMC_ERR_ATTRIBUTE: return "sliding_window and softcap must be >= 0 and scale finite";
         case LLMC_ERR_CUDA: return "a CUDA kernel launch failed (see cudaGetLastError)";
+        case LLMC_ERR_ROTARY:
+            return "rotary_dim must be even, >= 0 and <= head_dim, rotary_interleaved 0 or 1, and rope_cos and "
+                   "rope_sin both set when rotary_dim > 0 and both null when it is 0";
         default: return "unknown llmc attention status";
     }
 }

@@ -17,8 +17,17 @@
  * writes them to scratch block 0, which no sequence reads, so the content of block 0 is unspecified).
  * Query head h reads KV head h / (Hq / Hkv).
  *
+ * Rotary embedding (optional, rotary_dim > 0): query and key are rotated first, as ONNX's
+ * RotaryEmbedding (opset 23) does, and the rotated key is what goes into the cache (values are not
+ * rotated). rope_cos and rope_sin are [B, S, rotary_dim / 2] in the query's dtype: token j of row b
+ * uses row (b, j). Within the first R = rotary_dim dims of each head, rotary_interleaved = 0 pairs
+ * x1 = x[i], x2 = x[i + R/2] (rotate halves, GPT-NeoX/Llama) and 1 pairs x1 = x[2i], x2 = x[2i + 1];
+ * out1 = x1*cos[i] - x2*sin[i], out2 = x2*cos[i] + x1*sin[i], in fp32 rounded once to the dtype.
+ * Dims R..D-1 pass through.
+ *
  * Supported: fp16 and bf16 (fp32 accumulation), head_dim 64 and 128, any block_size >= 1 (16 and
- * 32 are the tested ones), any Hq that Hkv divides. Every pointer must be 16-byte aligned.
+ * 32 are the tested ones), any Hq that Hkv divides. Every pointer must be 16-byte aligned (but
+ * rope_cos and rope_sin, which need only their dtype's 2).
  * Block ids outside [0, num_blocks) and positions past the block table are skipped (no write;
  * read as zero) rather than faulting.
  */
@@ -35,7 +44,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever LlmcPagedAttentionArgs changes; ctypes callers compare it. */
-#define LLMC_ATTENTION_ABI_VERSION 1
+#define LLMC_ATTENTION_ABI_VERSION 2
 
 typedef enum LlmcDtype {
     LLMC_DTYPE_FP16 = 0,
@@ -51,7 +60,9 @@ typedef enum LlmcStatus {
     LLMC_ERR_HEADS = 5,           /* num_kv_heads does not divide num_heads */
     LLMC_ERR_ALIGNMENT = 6,       /* a pointer is not 16-byte aligned */
     LLMC_ERR_ATTRIBUTE = 7,       /* negative sliding_window or softcap, or a non-finite scale */
-    LLMC_ERR_CUDA = 8             /* a kernel launch failed (cudaGetLastError) */
+    LLMC_ERR_CUDA = 8,            /* a kernel launch failed (cudaGetLastError) */
+    LLMC_ERR_ROTARY = 9           /* rotary_dim odd, negative or > head_dim, rotary_interleaved not 0/1,
+                                     or rope_cos/rope_sin not both set (rotary_dim > 0) or both null (0) */
 } LlmcStatus;
 
 typedef struct LlmcPagedAttentionArgs {
@@ -78,6 +89,12 @@ typedef struct LlmcPagedAttentionArgs {
     float scale;
     float softcap;                /* 0: none */
     int32_t sliding_window;       /* 0: none */
+    /* RoPE on query and key (see above): [B, S, rotary_dim / 2] tables in the query's dtype, both
+     * null with rotary_dim 0 (no rotation), both set with rotary_dim > 0. 2-byte alignment is enough. */
+    const void* rope_cos;
+    const void* rope_sin;
+    int32_t rotary_dim;           /* R: even, <= head_dim; 0: no RoPE */
+    int32_t rotary_interleaved;   /* 0: rotate halves, 1: interleaved pairs */
     /* Scratch for the split-context partials, at least 16-byte aligned. May be null with size 0:
      * the kernel then runs without splitting the context (correct, slower on long contexts with
      * few rows). llmc_paged_attention_workspace() gives the size that allows every split. */

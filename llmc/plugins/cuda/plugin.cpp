@@ -2,9 +2,12 @@
 //
 // Inputs (llmc/plugins/paged_attention.py INPUTS): query [B,Hq,S,D], key [B,Hkv,S,D],
 // value [B,Hkv,S,D], cache [2,num_blocks,block_size,Hkv,D], past_lens [B], query_lens [B],
-// block_tables [B,max_blocks]; outputs: output [B,Hq,S,D], cache_out (cache's shape). Float
-// tensors are all fp16 or all bf16; the lengths and block tables are int32 (graph_io's step
-// inputs). The kernels are attention.cu's llmc_paged_attention.
+// block_tables [B,max_blocks], then optionally cos and sin [B,S,R/2] (9 inputs): the fused RoPE of
+// query and key (ONNX RotaryEmbedding, rotary dim R = 2 * cos.shape[-1] <= D; field
+// rotary_interleaved picks the pairing), applied before the op, so the cache holds rotated keys.
+// Outputs: output [B,Hq,S,D], cache_out (cache's shape). Float tensors (cos and sin included) are
+// all fp16 or all bf16; the lengths and block tables are int32 (graph_io's step inputs). The
+// kernels are attention.cu's llmc_paged_attention.
 //
 // cache_out is declared aliased to cache (IPluginV3OneBuildV2::getAliasedInput, TensorRT >= 10.3),
 // which takes effect when the builder enables PreviewFeature::kALIASED_PLUGIN_IO_10_03; the
@@ -49,8 +52,15 @@ constexpr char kPluginName[] = "PagedAttention";
 constexpr char kPluginNamespace[] = "llmc";
 constexpr char kPluginVersion[] = "1";
 
-enum Input : int32_t { kQuery, kKey, kValue, kCache, kPastLens, kQueryLens, kBlockTables, kNumInputs };
+enum Input : int32_t { kQuery, kKey, kValue, kCache, kPastLens, kQueryLens, kBlockTables, kCos, kSin };
 enum Output : int32_t { kOutput, kCacheOut, kNumOutputs };
+// The node has the 7 inputs of the op, or 9 with the optional cos and sin of a fused RoPE.
+constexpr int32_t kNumInputs = kBlockTables + 1;
+constexpr int32_t kNumInputsRope = kSin + 1;
+
+bool valid_io(int32_t nbInputs, int32_t nbOutputs) {
+    return (nbInputs == kNumInputs || nbInputs == kNumInputsRope) && nbOutputs == kNumOutputs;
+}
 
 class LoggerFinder {
 public:
@@ -84,6 +94,7 @@ struct Attrs {
     float scale = 0.f;
     int32_t sliding_window = 0;
     float softcap = 0.f;
+    int32_t rotary_interleaved = 0;   // with cos/sin inputs: 0 rotate halves, 1 interleaved pairs
 
     std::string invalid() const {
         if (num_heads <= 0 || num_kv_heads <= 0) return "num_heads and num_kv_heads must be positive";
@@ -91,6 +102,7 @@ struct Attrs {
         if (!std::isfinite(scale)) return "scale must be finite";
         if (sliding_window < 0) return "sliding_window must be >= 0";
         if (!(softcap >= 0.f) || !std::isfinite(softcap)) return "softcap must be >= 0";
+        if (rotary_interleaved != 0 && rotary_interleaved != 1) return "rotary_interleaved must be 0 or 1";
         return {};
     }
 };
@@ -106,7 +118,7 @@ using BuildInterface = IPluginV3OneBuild;
 class PagedAttentionPlugin : public IPluginV3, public IPluginV3OneCore, public BuildInterface, public IPluginV3OneRuntime {
 public:
     explicit PagedAttentionPlugin(Attrs const& attrs) : attrs_(attrs) { init_fields(); }
-    PagedAttentionPlugin(PagedAttentionPlugin const& other) : attrs_(other.attrs_) { init_fields(); }
+    PagedAttentionPlugin(PagedAttentionPlugin const& other) : attrs_(other.attrs_), rope_(other.rope_) { init_fields(); }
     PagedAttentionPlugin& operator=(PagedAttentionPlugin const&) = delete;
     ~PagedAttentionPlugin() override = default;
 
@@ -139,13 +151,18 @@ public:
 
     int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* /*out*/,
                             int32_t nbOutputs) noexcept override {
-        if (nbInputs != kNumInputs || nbOutputs != kNumOutputs) return fail("expects 7 inputs and 2 outputs");
+        if (!valid_io(nbInputs, nbOutputs)) return fail("expects 7 inputs (9 with cos and sin) and 2 outputs");
+        rope_ = nbInputs == kNumInputsRope;
+        if (rope_) {
+            int32_t const status = check_rope_dims(in[kQuery].desc.dims, in[kCos].desc.dims, in[kSin].desc.dims);
+            if (status != 0) return status;
+        }
         return check_dims(in[kQuery].desc.dims, in[kKey].desc.dims, in[kCache].desc.dims);
     }
 
     int32_t getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
                                int32_t nbInputs) const noexcept override {
-        if (nbInputs != kNumInputs || nbOutputs != kNumOutputs) return -1;
+        if (!valid_io(nbInputs, nbOutputs)) return -1;
         outputTypes[kOutput] = inputTypes[kQuery];
         outputTypes[kCacheOut] = inputTypes[kCache];
         return 0;
@@ -154,7 +171,7 @@ public:
     int32_t getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const* /*shapeInputs*/,
                             int32_t /*nbShapeInputs*/, DimsExprs* outputs, int32_t nbOutputs,
                             IExprBuilder& /*exprBuilder*/) noexcept override {
-        if (nbInputs != kNumInputs || nbOutputs != kNumOutputs) return -1;
+        if (!valid_io(nbInputs, nbOutputs)) return -1;
         if (inputs[kQuery].nbDims != 4 || inputs[kCache].nbDims != 5) return -1;
         // paged_attention.output_shapes: output is query-shaped, the cache keeps its shape.
         outputs[kOutput] = inputs[kQuery];
@@ -164,17 +181,18 @@ public:
 
     bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
                                    int32_t nbOutputs) noexcept override {
-        if (nbInputs != kNumInputs || nbOutputs != kNumOutputs || pos < 0 || pos >= nbInputs + nbOutputs) return false;
+        if (!valid_io(nbInputs, nbOutputs) || pos < 0 || pos >= nbInputs + nbOutputs) return false;
         PluginTensorDesc const& desc = inOut[pos].desc;
         if (desc.format != TensorFormat::kLINEAR) return false;
         if (pos == kQuery) return is_float(desc.type);
         if (pos == kPastLens || pos == kQueryLens || pos == kBlockTables) return desc.type == DataType::kINT32;
-        return desc.type == inOut[kQuery].desc.type;   // key, value, cache, output, cache_out
+        return desc.type == inOut[kQuery].desc.type;   // key, value, cache, [cos, sin,] output, cache_out
     }
 
     size_t getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
                             DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept override {
-        if (nbInputs != kNumInputs) return 0;
+        // RoPE changes no buffer size: the workspace holds the split partials alone.
+        if (nbInputs != kNumInputs && nbInputs != kNumInputsRope) return 0;
         Dims const& qmin = inputs[kQuery].min;
         Dims const& qmax = inputs[kQuery].max;
         LlmcPagedAttentionArgs args = shape_args(qmax, inputs[kCache].max, inputs[kBlockTables].max,
@@ -205,7 +223,13 @@ public:
     // IPluginV3OneRuntime
     int32_t onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* /*out*/,
                           int32_t nbOutputs) noexcept override {
-        if (nbInputs != kNumInputs || nbOutputs != kNumOutputs) return fail("expects 7 inputs and 2 outputs");
+        if (!valid_io(nbInputs, nbOutputs)) return fail("expects 7 inputs (9 with cos and sin) and 2 outputs");
+        // enqueue is not told the input count: remember whether cos and sin are there.
+        rope_ = nbInputs == kNumInputsRope;
+        if (rope_) {
+            int32_t const status = check_rope_dims(in[kQuery].dims, in[kCos].dims, in[kSin].dims);
+            if (status != 0) return status;
+        }
         return check_dims(in[kQuery].dims, in[kKey].dims, in[kCache].dims);
     }
 
@@ -229,6 +253,12 @@ public:
         args.past_lens = static_cast<int32_t const*>(inputs[kPastLens]);
         args.query_lens = static_cast<int32_t const*>(inputs[kQueryLens]);
         args.block_tables = static_cast<int32_t const*>(inputs[kBlockTables]);
+        if (rope_) {
+            args.rope_cos = inputs[kCos];
+            args.rope_sin = inputs[kSin];
+            args.rotary_dim = static_cast<int32_t>(2 * inputDesc[kCos].dims.d[2]);
+            args.rotary_interleaved = attrs_.rotary_interleaved;
+        }
         args.workspace = workspace;
         // TensorRT allocated what getWorkspaceSize asked for at the largest shapes; sizing it
         // again here for the current ones is exact for this call.
@@ -250,6 +280,7 @@ private:
         fields_.emplace_back("scale", &attrs_.scale, PluginFieldType::kFLOAT32, 1);
         fields_.emplace_back("sliding_window", &attrs_.sliding_window, PluginFieldType::kINT32, 1);
         fields_.emplace_back("softcap", &attrs_.softcap, PluginFieldType::kFLOAT32, 1);
+        fields_.emplace_back("rotary_interleaved", &attrs_.rotary_interleaved, PluginFieldType::kINT32, 1);
         collection_.nbFields = static_cast<int32_t>(fields_.size());
         collection_.fields = fields_.data();
     }
@@ -284,12 +315,27 @@ private:
         return 0;
     }
 
+    // cos and sin: [B, S, R/2] with 1 <= R/2 and R <= head_dim, the same shape for both.
+    static int32_t check_rope_dims(Dims const& q, Dims const& cos, Dims const& sin) {
+        if (q.nbDims != 4 || cos.nbDims != 3 || sin.nbDims != 3) return fail("query must be 4-D and cos/sin 3-D");
+        auto known = [](int64_t d) { return d >= 0; };
+        for (int32_t i = 0; i < 3; ++i)
+            if (known(cos.d[i]) && known(sin.d[i]) && cos.d[i] != sin.d[i]) return fail("cos and sin shapes differ");
+        if (known(q.d[0]) && known(cos.d[0]) && cos.d[0] != q.d[0]) return fail("cos/sin batch differs from query's");
+        if (known(q.d[2]) && known(cos.d[1]) && cos.d[1] != q.d[2]) return fail("cos/sin length differs from query's S");
+        if (known(cos.d[2]) && cos.d[2] < 1) return fail("cos/sin last dimension (rotary_dim / 2) must be >= 1");
+        if (known(q.d[3]) && known(cos.d[2]) && 2 * cos.d[2] > q.d[3])
+            return fail("rotary_dim (2 * cos/sin last dimension) exceeds head_dim");
+        return 0;
+    }
+
     static int32_t fail(std::string const& msg) {
         logger().error(msg);
         return -1;
     }
 
     Attrs attrs_;
+    bool rope_ = false;   // cos and sin inputs present (set by configurePlugin / onShapeChange)
     std::vector<PluginField> fields_;
     PluginFieldCollection collection_{};
 };
@@ -302,6 +348,7 @@ public:
         fields_.emplace_back("scale", nullptr, PluginFieldType::kFLOAT32, 1);
         fields_.emplace_back("sliding_window", nullptr, PluginFieldType::kINT32, 1);
         fields_.emplace_back("softcap", nullptr, PluginFieldType::kFLOAT32, 1);
+        fields_.emplace_back("rotary_interleaved", nullptr, PluginFieldType::kINT32, 1);
         collection_.nbFields = static_cast<int32_t>(fields_.size());
         collection_.fields = fields_.data();
     }
@@ -329,6 +376,8 @@ public:
                     seen_scale = read_float(f, attrs.scale);
                 } else if (!std::strcmp(f.name, "softcap")) {
                     read_float(f, attrs.softcap);
+                } else if (!std::strcmp(f.name, "rotary_interleaved")) {
+                    read_int(f, attrs.rotary_interleaved);
                 }
             }
             if (!seen_heads || !seen_kv_heads || !seen_scale) {
