@@ -102,6 +102,8 @@ def main() -> None:
                 urllib.request.urlopen(url + "/health", timeout=1)
                 break
             except OSError:
+                if server.poll() is not None:
+                    raise SystemExit(f"llmc serve {args.engine} exited with {server.returncode}")
                 time.sleep(0.2)
         assert conn.recv() == "ready"
         from llmc.runtime.llm import LLM

@@ -46,6 +46,13 @@ def describe(manifest: Manifest, engine_dir: str | Path) -> str:
     def section(title: str, body: list[str]) -> None:
         lines.extend(["", title, *body])
 
+    if m.backend.name == "tensorrt":  # what the plan runs on, and the step shapes it holds
+        b = m.backend
+        section("TensorRT plan", _rows({"gpu architecture": b.gpu_arch, "TensorRT": b.tensorrt_version,
+                                        "plugin library": b.plugin_library}) + [
+            f"  profile {p.name:<8} rows {p.batch.min}-{p.batch.max}, tokens {p.seq.min}-{p.seq.max}, "
+            f"logits {p.num_logits.min}-{p.num_logits.max}, table blocks {p.max_blocks.min}-{p.max_blocks.max}, "
+            f"pool blocks {p.num_blocks.min}-{p.num_blocks.max}" for p in b.profiles])
     section("Model spec", _rows(to_json(m.model_spec)))
     pool = "[" + ", ".join(map(str, m.kv_cache.pool_shape(graph_io.NUM_BLOCKS))) + "]"
     section("KV cache", _rows({**to_json(m.kv_cache), "pool shape": pool}))

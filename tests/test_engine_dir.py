@@ -368,3 +368,24 @@ def test_describe(engine: Path) -> None:
                    "[2, num_blocks, 16, 2, 16]", "input_ids, position_ids", "kv_cache_out.1", "merge-matmuls",
                    "qkv_merge=2", "folded=0", "chat_template.jinja", "model.onnx.data", "2.9 KiB"]:
         assert needle in text, needle
+
+
+def test_a_tensorrt_engine_is_described_and_refused_by_the_cpu_runtime_in_one_line(engine: Path) -> None:
+    """What `llmc inspect` shows of a plan's manifest (the GPU and TensorRT it runs on, its
+    profiles), and the ONNX Runtime engine's one-line refusal to run one."""
+    import dataclasses
+
+    from llmc.contract.manifest import Backend
+    from llmc.contract.profiles import profiles
+    from llmc.runtime.engine import Engine
+
+    manifest = open_engine(engine).manifest
+    backend = Backend("tensorrt", "cuda", (), "sm_90", "10.9.0", "libllmc_trt_plugin.so",
+                      profiles(block_size=16, max_context=manifest.max_context))
+    write_manifest(engine, dataclasses.replace(manifest, backend=backend))
+    text = describe(open_engine(engine).manifest, engine)
+    for needle in ["tensorrt (target cuda)", "gpu architecture  sm_90", "TensorRT          10.9.0",
+                   "profile decode   rows 1-16, tokens 1-1", "profile prefill  rows 1-16, tokens 2-"]:
+        assert needle in text, needle
+    with pytest.raises(EngineError, match=r"is a TensorRT plan \(sm_90, TensorRT 10.9.0\).*--backend onnxruntime"):
+        Engine(engine)

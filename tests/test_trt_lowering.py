@@ -197,3 +197,20 @@ def test_an_fp16_pool_reads_back_token_major():
     pool = np.arange(2 * 3 * 4 * 2 * 2, dtype=np.float16).reshape(2, 3, 4, 2, 2)
     back = kv_layout.to_token_major(pool, kv_layout.TOKEN_MAJOR, "fp16")
     assert back.dtype == np.float32 and np.array_equal(back, pool.astype(np.float32))
+
+
+def test_int4_weights_stay_blockwise_dequantize_linear_with_16_bit_scales(exported):
+    """The Q/DQ form TensorRT consumes for weight-only int4: int4 blocks of 32 along K, their
+    scales rounded to the network's precision, the whole graph still checked in ORT."""
+    model, spec = exported
+    model = ir.from_proto(ir.to_proto(model))
+    options = BuildOptions(backend="tensorrt", precision="fp16", block_size=BLOCK, quant="int4")
+    records = {r.name: r for r in PassManager(pipeline(options), verifier=verifier(spec, BLOCK)).run(model, spec)}
+    projections = [n for n in model.graph if n.op_type == "DequantizeLinear" and n.inputs[0].is_initializer()]
+    assert len(projections) == records["quantize-weights"].counts["quantize_matmul"]  # the embedding's is gathered
+    for node in projections:
+        weights, scales = (ir.convenience.get_const_tensor(v) for v in node.inputs[:2])
+        assert node.attributes.get_int("block_size") == 32
+        assert weights.dtype in (ir.DataType.INT4, ir.DataType.INT8) and scales.dtype == ir.DataType.FLOAT16
+    assert any(ir.convenience.get_const_tensor(n.inputs[0]).dtype == ir.DataType.INT4 for n in projections)
+    assert records["trt-plugin"].max_abs_diff == 0.0 and 0 < records["trt-precision"].max_abs_diff < 0.1
