@@ -22,7 +22,7 @@ from llmc.contract.model_spec import ModelSpec
 from llmc.contract.options import BuildOptions
 from llmc.contract.tuning import TUNING_FILE, write_tuning
 from llmc.describe import describe
-from llmc.errors import EngineError
+from llmc.errors import EngineError, LlmcError
 
 PAYLOAD = {
     "model.onnx": b"onnx-graph",
@@ -387,5 +387,14 @@ def test_a_tensorrt_engine_is_described_and_refused_by_the_cpu_runtime_in_one_li
     for needle in ["tensorrt (target cuda)", "gpu architecture  sm_90", "TensorRT          10.9.0",
                    "profile decode   rows 1-16, tokens 1-1", "profile prefill  rows 1-16, tokens 2-"]:
         assert needle in text, needle
-    with pytest.raises(EngineError, match=r"is a TensorRT plan \(sm_90, TensorRT 10.9.0\).*--backend onnxruntime"):
+    with pytest.raises(EngineError, match=r"is a TensorRT plan \(sm_90, TensorRT 10.9.0\), which ONNX Runtime "
+                                          r"cannot run.*--backend onnxruntime"):
         Engine(engine)
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:  # LLM loads its backend, TensorRT's, which is not here: one line naming the fix
+        from llmc.runtime.llm import LLM
+
+        with pytest.raises(LlmcError, match=r"^--backend tensorrt needs TensorRT, which is not installed .*"
+                                            r"pip install 'llmc\[trt\]'"):
+            LLM(engine)

@@ -13,7 +13,7 @@ import pytest
 from llmc.contract import graph_io as io
 from llmc.contract import profiles as prof
 from llmc.contract.manifest import Backend
-from llmc.contract.options import BuildOptions
+from llmc.contract.options import BuildOptions, RuntimeOptions
 from llmc.errors import LlmcError
 from llmc.passes import trt_lower
 from llmc.passes.manager import PassManager
@@ -214,3 +214,45 @@ def test_int4_weights_stay_blockwise_dequantize_linear_with_16_bit_scales(export
         assert weights.dtype in (ir.DataType.INT4, ir.DataType.INT8) and scales.dtype == ir.DataType.FLOAT16
     assert any(ir.convenience.get_const_tensor(n.inputs[0]).dtype == ir.DataType.INT4 for n in projections)
     assert records["trt-plugin"].max_abs_diff == 0.0 and 0 < records["trt-precision"].max_abs_diff < 0.1
+
+
+# -- the runtime's decode padding (CUDA graphs), checked through the ONNX Runtime engine -------
+
+def test_decode_buckets_are_powers_of_two_up_to_the_batch():
+    from llmc.trt.engine import buckets
+
+    assert buckets(16) == [1, 2, 4, 8, 16] and buckets(12) == [1, 2, 4, 8, 12] and buckets(1) == [1]
+
+
+@pytest.mark.parametrize("disabled", [(), ("cpu-kernels",)])
+def test_a_decode_step_padded_to_its_bucket_gives_the_same_logits_and_cache(engines, disabled):
+    """What TrtEngine replays from a CUDA graph: the step padded with token-less rows and a wider
+    block table. The same padding through the CPU engine (its kernel, and the standard-op
+    lowering) leaves the real rows' logits and every non-scratch block as the unpadded step does."""
+    from llmc.runtime.engine import Engine
+    from llmc.trt.engine import pad_decode
+
+    path = engines("tiny-llama", *disabled)
+    plain, padded = (Engine(path, RuntimeOptions(kv_cache_blocks=16, num_threads=1)) for _ in range(2))
+    rng = np.random.default_rng(0)
+    lens = np.array([5, 9, 2], np.int32)
+    tables = np.array([[1, 2, 0], [3, 4, 5], [6, 0, 0]], np.int32)
+    ids = rng.integers(0, plain.spec.vocab_size, (3, int(lens.max())))
+    positions = np.tile(np.arange(ids.shape[1]), (3, 1))
+    for engine in (plain, padded):  # the same prefill on both
+        engine.forward(ids, positions, np.zeros(3, np.int32), lens, tables)
+    step = {io.INPUT_IDS: rng.integers(0, plain.spec.vocab_size, (3, 1)), io.POSITION_IDS: lens[:, None].astype(np.int64),
+            io.PAST_LENS: lens, io.QUERY_LENS: np.ones(3, np.int32), io.BLOCK_TABLES: tables,
+            io.LOGITS_INDICES: np.arange(3, dtype=np.int64)}
+    want = plain.forward(*(step[n] for n in (io.INPUT_IDS, io.POSITION_IDS, io.PAST_LENS, io.QUERY_LENS,
+                                             io.BLOCK_TABLES, io.LOGITS_INDICES))).copy()
+    wide = pad_decode(step, rows=8, width=6)
+    assert wide[io.INPUT_IDS].shape == (8, 1) and wide[io.BLOCK_TABLES].shape == (8, 6)
+    got = padded.forward(*(wide[n] for n in (io.INPUT_IDS, io.POSITION_IDS, io.PAST_LENS, io.QUERY_LENS,
+                                             io.BLOCK_TABLES, io.LOGITS_INDICES)))
+    np.testing.assert_allclose(got[:3], want, rtol=1e-5, atol=1e-5)
+    for layer in range(plain.spec.num_layers):
+        np.testing.assert_array_equal(np.delete(padded.pool(layer), io.SCRATCH_BLOCK, axis=1),
+                                      np.delete(plain.pool(layer), io.SCRATCH_BLOCK, axis=1))
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad_decode(step, rows=2, width=6)

@@ -34,6 +34,18 @@ def _import_ort():
     return ort
 
 
+def load_engine(engine: str | Path | EngineFiles, options: RuntimeOptions | None = None):
+    """The engine's backend, loaded: ONNX Runtime's `Engine`, or `TrtEngine` for a TensorRT plan
+    (imported only then: the CPU install never loads TensorRT or CUDA)."""
+    files = engine if isinstance(engine, EngineFiles) else open_engine(
+        engine, verify_checksums=(options or RuntimeOptions()).verify_checksums)
+    if files.manifest.backend.name == "tensorrt":
+        from llmc.trt.engine import TrtEngine
+
+        return TrtEngine(files, options)
+    return Engine(files, options)
+
+
 class Engine:
     def __init__(self, engine: str | Path | EngineFiles, options: RuntimeOptions | None = None):
         options = options or RuntimeOptions()
@@ -44,8 +56,8 @@ class Engine:
         if manifest.backend.name != "onnxruntime":
             b = manifest.backend
             raise EngineError(f"engine {self.dir} is a TensorRT plan ({b.gpu_arch}, TensorRT {b.tensorrt_version}), "
-                              "and this llmc runs ONNX Runtime engines only (the TensorRT runtime is issue 20's "
-                              "next part); build a CPU engine with --backend onnxruntime")
+                              "which ONNX Runtime cannot run; load it with LLM (or load_engine) on a GPU with "
+                              "TensorRT, or build a CPU engine with --backend onnxruntime")
         self.spec = manifest.model_spec
         self.kv = manifest.kv_cache
         self.block_size = self.kv.block_size

@@ -19,7 +19,7 @@ from llmc.contract.engine_dir import open_engine, read_eos_token_ids
 from llmc.contract.options import RuntimeOptions
 from llmc.contract.tuning import read_tuning
 from llmc.errors import RequestError, first_line
-from llmc.runtime.engine import Engine, Row, pack
+from llmc.runtime.engine import Row, load_engine, pack
 from llmc.runtime.kv_cache import BlockManager, blocks_for
 from llmc.runtime.request import Request, RequestOutput
 from llmc.runtime.sampling import Sampler, SamplingParams, token_logprob, verify
@@ -56,7 +56,7 @@ class LLM:
         tuned = read_tuning(files.tuning) if use_tuning and files.tuning is not None else None
         options, applied = RuntimeOptions.merge(given, tuned)
         self.tuning = applied if tuned is not None else None
-        self.engine = Engine(files, options)
+        self.engine = load_engine(files, options)
         self.options = dataclasses.replace(options, num_threads=self.engine.num_threads)
         self.blocks = BlockManager(self.engine.num_blocks, self.engine.block_size, options.enable_prefix_caching)
         self.scheduler = Scheduler(options, self.blocks)
