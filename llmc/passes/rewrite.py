@@ -32,7 +32,7 @@ from llmc.plugins import cpu
 from llmc.plugins import paged_attention as pa
 
 # The version of each non-ONNX domain a rewrite may emit.
-DOMAIN_VERSIONS = {"com.microsoft": 1, pa.DOMAIN: pa.VERSION, cpu.DOMAIN: cpu.VERSION, "trt.plugins": 1}
+DOMAIN_VERSIONS = {"com.microsoft": 1, pa.DOMAIN: pa.VERSION, cpu.DOMAIN: cpu.VERSION}
 
 
 class Replacement(OpBuilder):

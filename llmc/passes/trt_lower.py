@@ -1,12 +1,14 @@
 """The TensorRT lowering: the graph TensorRT's ONNX parser builds a network from.
 
 - trt-plugin: every `llmc::PagedAttention` becomes the node TensorRT's parser hands to llmc's
-  plugin (llmc/plugins/cuda): op_type PagedAttention (the plugin's name), the attributes
-  `plugin_namespace` "llmc" and `plugin_version` "1" beside the op's own, in the domain
-  `trt.plugins` (where ONNX Runtime's TensorRT provider also looks for TensorRT plugins). The
-  plugin means what the op's function and numpy reference mean, the KV write in place inside
-  it; where Q and K are rotated alike it also applies their RotaryEmbedding (cos/sin as two
-  more inputs, `rotary_interleaved`; rope_fused), so the rotated K goes straight to the pool.
+  plugin (llmc/plugins/cuda): op_type PagedAttention (the plugin's name) in the domain `llmc`,
+  with the attributes `plugin_namespace` "llmc" and `plugin_version` "1" beside the op's own.
+  The parser takes the namespace from the attribute, and since TensorRT 10.10 also from the
+  domain; both say llmc. The op's model-local function goes: the parser inlines a local function
+  before it looks for a plugin. The plugin means what the function and the numpy reference
+  mean, the KV write in place inside it; where Q and K are rotated alike it also applies their
+  RotaryEmbedding (the op's optional cos/sin inputs and `rotary_interleaved`; rope_fused), so
+  the rotated K goes straight to the pool.
 - trt-precision: TensorRT 11 builds only strongly typed networks, so the graph's types are its
   precision. Every float32 tensor becomes fp16 or bf16: weights, constants, casts, every value
   and the KV pools. Blockwise `DequantizeLinear` weights (int8/int4) follow their scales' type.
@@ -28,7 +30,7 @@ from llmc.passes.graph import const_ints, producer, rotary, shared_rotary
 from llmc.passes.rewrite import Rule, RulePass, rotary_operands
 from llmc.plugins import paged_attention as pa
 
-PLUGIN_DOMAIN = "trt.plugins"
+PLUGIN_DOMAIN = pa.DOMAIN
 PLUGIN_NAMESPACE = "llmc"
 PLUGIN_VERSION = str(pa.VERSION)
 PRECISIONS = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
@@ -40,6 +42,9 @@ class PluginNode(Rule):
     def pattern(self, op, q, k, v, cache, past_lens, query_lens, block_tables):
         return op.PagedAttention(q, k, v, cache, past_lens, query_lens, block_tables, _domain=pa.DOMAIN,
                                  _outputs=2, _name="node")
+
+    def check(self, m):
+        return "already the plugin's node" if "plugin_namespace" in m.node.attributes else None
 
     def rewrite(self, op, m):
         q, k, rope = m.q, m.k, None
@@ -63,19 +68,19 @@ class TensorRTPlugin(RulePass):
 
     def finish(self, model: ir.Model, spec: ModelSpec, counts) -> None:
         # TensorRT's parser inlines a model-local function before it looks for a plugin, so the op's
-        # function (paged-kv-cache attached it for ORT) must not travel under the plugin's name.
+        # function (paged-kv-cache attached it for ORT) must not travel with the plugin's nodes.
         model.functions.pop(pa.build_function().identifier(), None)
-        model.opset_imports.pop(pa.DOMAIN, None)
 
 
 def plugin_nodes(model: ir.Model) -> list[ir.Node]:
-    return [n for n in model.graph if n.domain == PLUGIN_DOMAIN and n.op_type == pa.OP_TYPE]
+    return [n for n in model.graph if n.domain == PLUGIN_DOMAIN and n.op_type == pa.OP_TYPE
+            and "plugin_namespace" in n.attributes]
 
 
 def with_reference_plugin(model: ir.Model) -> ir.Model:
     """A copy of a lowered model that ONNX Runtime runs, for checking the lowering's numbers on a
     CPU: each plugin node becomes what it means, its folded RotaryEmbedding (if any) before the
-    op's function, which is attached under the plugin's domain."""
+    op's function, attached again."""
     copy = ir.from_proto(ir.to_proto(model))
     for node in plugin_nodes(copy):
         if len(node.inputs) > len(pa.INPUTS):
@@ -166,7 +171,7 @@ def _rotary_angles(graph: ir.Graph) -> tuple[set[ir.Node], list[ir.Value]]:
     tokens, so only the cos/sin are rounded, as transformers computes them."""
     roots = []
     for node in graph:
-        if node.domain == PLUGIN_DOMAIN and node.op_type == pa.OP_TYPE:
+        if node.domain == PLUGIN_DOMAIN and node.op_type == pa.OP_TYPE:  # a plugin node's optional cos/sin
             roots += node.inputs[len(pa.INPUTS):]
         elif node.op_type == "RotaryEmbedding" and node.domain == "":
             roots += node.inputs[1:3]

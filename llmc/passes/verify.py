@@ -41,7 +41,7 @@ def _session(model: ir.Model):
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if cpu.DOMAIN in model.opset_imports:
         cpu.register(opts)
-    if trt_lower.PLUGIN_DOMAIN in model.opset_imports:  # TensorRT's plugin, by its meaning
+    if trt_lower.plugin_nodes(model):  # TensorRT's plugin, by its meaning
         model = trt_lower.with_reference_plugin(model)
     return ort.InferenceSession(ir.to_proto(model).SerializeToString(), opts,
                                 providers=["CPUExecutionProvider"])

@@ -36,6 +36,10 @@ ONNX_OPSET = 23
 
 INPUTS = ("query", "key", "value", "cache", PAST_LENS, QUERY_LENS, BLOCK_TABLES)
 OUTPUTS = ("output", "cache_out")
+# A kernel that applies the query's and key's RoPE itself (llmc.cpu's, TensorRT's plugin) takes
+# their ONNX RotaryEmbedding's per-token cos/sin [B, S, R/2] after these, with the attribute
+# `rotary_interleaved`: the op is then RotaryEmbedding(query), RotaryEmbedding(key), then itself.
+OPTIONAL_INPUTS = ("cos", "sin")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The network is strongly typed (the graph's fp16/bf16 types are its precision; TensorRT 11 builds
 no other kind), parsed by TensorRT's ONNX parser with llmc's plugin library loaded so the
-`trt.plugins::PagedAttention` nodes become `llmc::PagedAttention` plugin layers, and built with
+`llmc::PagedAttention` plugin nodes become layers of llmc's plugin, and built with
 the engine's optimization profiles (llmc.contract.profiles). The plan runs only on the GPU
 architecture and TensorRT version that built it; the manifest records both.
 
