@@ -244,12 +244,10 @@ def test_a_decode_step_padded_to_its_bucket_gives_the_same_logits_and_cache(engi
     step = {io.INPUT_IDS: rng.integers(0, plain.spec.vocab_size, (3, 1)), io.POSITION_IDS: lens[:, None].astype(np.int64),
             io.PAST_LENS: lens, io.QUERY_LENS: np.ones(3, np.int32), io.BLOCK_TABLES: tables,
             io.LOGITS_INDICES: np.arange(3, dtype=np.int64)}
-    want = plain.forward(*(step[n] for n in (io.INPUT_IDS, io.POSITION_IDS, io.PAST_LENS, io.QUERY_LENS,
-                                             io.BLOCK_TABLES, io.LOGITS_INDICES))).copy()
+    want = plain.forward(*map(step.get, io.STEP_INPUTS)).copy()
     wide = pad_decode(step, rows=8, width=6)
     assert wide[io.INPUT_IDS].shape == (8, 1) and wide[io.BLOCK_TABLES].shape == (8, 6)
-    got = padded.forward(*(wide[n] for n in (io.INPUT_IDS, io.POSITION_IDS, io.PAST_LENS, io.QUERY_LENS,
-                                             io.BLOCK_TABLES, io.LOGITS_INDICES)))
+    got = padded.forward(*map(wide.get, io.STEP_INPUTS))
     np.testing.assert_allclose(got[:3], want, rtol=1e-5, atol=1e-5)
     for layer in range(plain.spec.num_layers):
         np.testing.assert_array_equal(np.delete(padded.pool(layer), io.SCRATCH_BLOCK, axis=1),

@@ -69,7 +69,7 @@ class TensorRTPlugin(RulePass):
     def finish(self, model: ir.Model, spec: ModelSpec, counts) -> None:
         # TensorRT's parser inlines a model-local function before it looks for a plugin, so the op's
         # function (paged-kv-cache attached it for ORT) must not travel with the plugin's nodes.
-        model.functions.pop(pa.build_function().identifier(), None)
+        model.functions.pop((pa.DOMAIN, pa.OP_TYPE, ""), None)  # the function's identifier: no need to build it
 
 
 def plugin_nodes(model: ir.Model) -> list[ir.Node]:
