@@ -135,6 +135,9 @@ GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m")
 ORT_GENAI_BLOCK_SIZE = 32
 ORT_GENAI_ACCURACY_LEVEL = 4
 LLAMA_KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}  # q8_0: blocks of 32 int8 + an f16 scale
+# Bytes per KV element of an llmc pool, by the manifest's kv_cache.dtype (an int8 pool's per token
+# and head scales, 4 bytes per head_dim elements, are left out).
+LLMC_KV_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0}
 PAUSE_S = 0.3  # lets the previous worker's spinning threads park before the next one runs
 
 
@@ -749,8 +752,7 @@ def own_bytes(kind: str, path: Path | None, info: dict, args) -> dict | None:
         if m.build_options.lossless_weights:
             note += "; a --lossless-weights engine stores two copies and both are counted"
         kv = m.kv_cache.dtype
-        return {"weight_bytes": wb, "how": note, "kv_dtype_bytes": {"float32": 4.0, "float16": 2.0,
-                                                                     "bfloat16": 2.0}.get(kv, 4.0), "kv_dtype": kv}
+        return {"weight_bytes": wb, "how": note, "kv_dtype_bytes": LLMC_KV_BYTES.get(kv, 4.0), "kv_dtype": kv}
     except Exception as exc:  # noqa: BLE001  (a roofline we cannot count is left out, not fatal)
         print(f"warning: cannot count the weight bytes of {path}: {type(exc).__name__}: {exc}", flush=True)
         return None
@@ -890,7 +892,7 @@ def measure(args, folder: Path, peers: list[str], python: Path | None, converted
             w.close()
 
     bw_method = bw_worker.info["method"]
-    kv_dtype = {"float32": 4, "float16": 2, "bfloat16": 2}.get(
+    kv_dtype = LLMC_KV_BYTES.get(
         next((r["info"].get("kv_dtype") for r in rows.values() if r["kind"] == "llmc" and "info" in r), None), 4)
     wb = weight_bytes(folder)
     per_pos = kv_bytes_per_position(folder, kv_dtype)

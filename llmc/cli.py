@@ -52,8 +52,8 @@ def main():
 @click.option("--lossless-weights", is_flag=True,
               help="Also store the weights in a lossless format 12.5% smaller that batch-1 to 8 decode reads "
                    "(same outputs, faster tokens; the engine holds both copies).")
-@click.option("--quant", default="none", show_default=True, metavar="none|int8|int4",
-              help="Quantize the projections' weights in blocks (int8/int4 GEMMs, activations quantized on the fly).")
+@click.option("--quant", default="none", show_default=True, metavar="none|int8|int6|int4",
+              help="Quantize the projections' weights in blocks (integer GEMMs, activations quantized on the fly).")
 @click.option("--quant-block-size", default=32, show_default=True, help="Weights per quantization block: 32, 64 or 128.")
 @click.option("--asymmetric", is_flag=True, help="Asymmetric blocks (a zero point each) instead of symmetric ones.")
 @click.option("--quant-method", default="search", show_default=True, metavar="rtn|search|awq",
@@ -61,14 +61,15 @@ def main():
                    "calibrated on --calibrate.")
 @click.option("--calibrate", default=None, metavar="FILE",
               help="Text for --quant-method awq's activation statistics [default: the held-out corpus].")
-@click.option("--lm-head", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16|int8|int4",
-              help="The LM head's format (auto: int8 in a quantized build, else --weight-dtype).")
+@click.option("--lm-head", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16|int8|int6|int4",
+              help="The LM head's format (auto: int6 in an int4 build, int8 in an int8 one, else --weight-dtype).")
 @click.option("--embedding", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16|int8",
               help="The embedding table's format (auto: int8 in a quantized build, else --weight-dtype).")
 @click.option("--weight-dtype", default="fp32", show_default=True, metavar="fp32|bf16|fp16",
               help="Storage of the weights not quantized (16-bit storage, fp32 arithmetic).")
-@click.option("--kv-cache-dtype", default="fp32", show_default=True, metavar="fp32|fp16|bf16|int8",
-              help="KV cache storage (int8: per token and head scales); the pool holds more tokens per byte.")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, metavar="auto|fp32|fp16|bf16|int8",
+              help="KV cache storage (int8: per token and head scales); the pool holds more tokens per byte "
+                   "(auto: fp16 when weights are quantized or 16-bit, else fp32).")
 @click.option("--backend", default="onnxruntime", show_default=True, metavar="onnxruntime|tensorrt",
               help="ONNX Runtime with llmc's CPU kernels, or a TensorRT plan with llmc's attention plugin "
                    "(needs TensorRT and a GPU: pip install 'llmc[trt]').")

@@ -1,4 +1,4 @@
-"""The packed-GEMM ops over quantized (int8/int4 blockwise) and 16-bit (bf16/fp16) weights, in real
+"""The packed-GEMM ops over quantized (int8/int6/int4 blockwise) and 16-bit (bf16/fp16) weights, in real
 ONNX Runtime sessions, against llmc/plugins/cpu/quant.py's numpy reference of the kernel's
 arithmetic (activations quantized per row and block, integer sums)."""
 
@@ -20,7 +20,7 @@ from llmc.plugins.cpu import pack_weight, quant
 pytestmark = needs_kernels
 F32 = TensorProto.FLOAT
 WEIGHT_TYPES = {"fp32": F32, "bf16": TensorProto.UINT16, "fp16": TensorProto.UINT16, "int8": TensorProto.UINT8,
-                "int4": TensorProto.UINT8}
+                "int6": TensorProto.UINT8, "int4": TensorProto.UINT8}
 _SESSIONS: dict = {}
 
 
@@ -35,12 +35,12 @@ def _session(op_type: str, inputs: list[str], outputs: list[str], weight: str = 
 def _quantized(rng, k: int, n: int, bits: int, block: int, asymmetric: bool):
     """Random integers over the whole range (the extremes included) and float16-exact scales."""
     if asymmetric:
-        top = 255 if bits == 8 else 15
+        top = 2 ** bits - 1
         q = rng.integers(0, top + 1, (k, n)).astype(np.uint8)
         zp = rng.integers(0, top + 1, (k // block, n)).astype(np.uint8)
         q[0, 0], q[1, 0] = 0, top
     else:
-        low, high = (-128, 127) if bits == 8 else (-8, 7)
+        low, high = -2 ** (bits - 1), 2 ** (bits - 1) - 1
         q = rng.integers(low, high + 1, (k, n)).astype(np.int8)
         q[0, 0], q[1, 0] = low, high
         zp = None
@@ -50,7 +50,7 @@ def _quantized(rng, k: int, n: int, bits: int, block: int, asymmetric: bool):
 
 def _attrs(fmt: str, block: int, zp) -> dict:
     attrs = {"weight_format": quant.WEIGHT_FORMATS[fmt]}
-    if fmt in ("int8", "int4"):
+    if fmt in ("int8", "int6", "int4"):
         attrs |= {"block_size": block, "zero_points": int(zp is not None)}
     return attrs
 
@@ -62,7 +62,7 @@ def _tolerance(x, q, scale, zp, block):
     return 1e-4 * (np.abs(x.reshape(-1, q.shape[0])) @ np.abs(w)) + 1e-6
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 @pytest.mark.parametrize("asymmetric", [False, True], ids=["sym", "asym"])
 @pytest.mark.parametrize("block", [32, 64, 128])
 def test_quantized_matmul_matches_the_reference(bits, asymmetric, block):
@@ -98,6 +98,17 @@ def test_the_reference_is_close_to_the_float_product():
 
 def test_int4_symmetric_is_4_5_bits_a_weight():
     assert quant.quantized_bytes(576, 960, 4, 32, False) * 8 / (576 * 960) == 4.5
+    assert quant.quantized_bytes(576, 960, 6, 32, False) * 8 / (576 * 960) == 6.5
+
+
+def test_an_int8_weight_packs_in_the_fewest_bits_that_hold_it():
+    """int6 has no ONNX type: the graph holds it as int8, and the lowering packs what fits."""
+    q = np.array([[-32, 31], [0, 5]], np.int8)
+    assert quant.narrowest_bits(q, None) == 6
+    assert quant.narrowest_bits(q // 4, None) == 4
+    assert quant.narrowest_bits(np.array([[-33, 0]], np.int8), None) == 8
+    assert quant.narrowest_bits(np.array([[0, 63]], np.uint8), np.array([[64]], np.uint8)) == 8
+    assert quant.narrowest_bits(np.array([[0, 63]], np.uint8), np.array([[7]], np.uint8)) == 6
     assert quant.quantized_bytes(576, 960, 4, 32, False) <= 0.3 * 576 * 960 * 4
 
 
@@ -142,7 +153,7 @@ def _fused_rows(op: str, feeds: dict, k: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int4", "int6", "int8", "bf16"])
 @pytest.mark.parametrize("rows", [1, 13])
 def test_fused_ops_take_every_format(op, fmt, rows):
     rng = np.random.default_rng(rows)
@@ -209,7 +220,7 @@ from llmc.plugins.cpu import quant
 rng = np.random.default_rng(1)
 worst = 0.0
 for fmt, bits, zp_on, block in (("int4", 4, False, 32), ("int4", 4, True, 64), ("int8", 8, False, 128),
-                                ("int8", 8, True, 32)):
+                                ("int8", 8, True, 32), ("int6", 6, False, 64), ("int6", 6, True, 32)):
     k, n = 128, 40
     if zp_on:
         q = rng.integers(0, 2 ** bits, (k, n)).astype(np.uint8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
@@ -62,9 +63,9 @@ def test_an_all_zero_block_stays_zero():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(quant="int3"), "--quant must be one of none, int8, int4"),
+    (dict(quant="int3"), "--quant must be one of none, int8, int6, int4"),
     (dict(quant="int4", quant_block_size=48), "--quant-block-size must be one of 32, 64, 128"),
-    (dict(kv_cache_dtype="int2"), "--kv-cache-dtype must be one of fp32, fp16, bf16, int8"),
+    (dict(kv_cache_dtype="int2"), "--kv-cache-dtype must be one of auto, fp32, fp16, bf16, int8"),
     (dict(weight_dtype="int8"), "--weight-dtype must be one of fp32, bf16, fp16"),
     (dict(quant="int4", quant_method="gptq"), "--quant-method must be one of rtn, search, awq"),
     (dict(quant="int8", calibrate="x.txt"), "--calibrate is read by --quant-method awq only"),
@@ -77,11 +78,21 @@ def test_bad_quantization_options_are_one_line_errors(options, message):
 
 def test_the_roles_take_their_formats():
     int4 = BuildOptions(quant="int4")
-    assert (int4.format_of("body"), int4.format_of("lm_head"), int4.format_of("embedding")) == ("int4", "int8", "int8")
+    assert (int4.format_of("body"), int4.format_of("lm_head"), int4.format_of("embedding")) == ("int4", "int6", "int8")
+    int8 = BuildOptions(quant="int8")
+    assert {int8.format_of(r) for r in ("body", "lm_head", "embedding")} == {"int8"}
     bf16 = BuildOptions(weight_dtype="bf16")
     assert {bf16.format_of(r) for r in ("body", "lm_head", "embedding")} == {"bf16"}
     mixed = BuildOptions(quant="int4", lm_head="int4", embedding="fp32")
     assert (mixed.format_of("lm_head"), mixed.format_of("embedding")) == ("int4", "fp32")
+
+
+def test_the_kv_cache_is_fp16_by_default_where_weights_are_reduced():
+    assert BuildOptions().kv_dtype == "fp32"  # fp32 engines match transformers' cache exactly
+    assert BuildOptions(quant="int4").kv_dtype == BuildOptions(weight_dtype="bf16").kv_dtype == "fp16"
+    assert BuildOptions(quant="int8", kv_cache_dtype="fp32").kv_dtype == "fp32"
+    # Only llmc's attention kernel reads a 16-bit pool.
+    assert BuildOptions(quant="int4", disable_passes=("cpu-kernels",)).kv_dtype == "fp32"
 
 
 @pytest.mark.parametrize("flags, line", [
@@ -152,6 +163,9 @@ def test_quantized_engines_batch_chunk_and_preempt_like_running_alone(engines, o
     together = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
     assert llm.scheduler.num_preemptions > 0
     assert together == alone
+    if "kv_cache_dtype" not in options:  # the default cache of a quantized build, as recorded
+        assert open_engine(engine).manifest.kv_cache.dtype == "fp16"
+        assert open_engine(engine).manifest.build_options.kv_cache_dtype == "fp16"
 
 
 @needs_kernels
@@ -160,7 +174,11 @@ def test_a_quantized_engine_records_what_it_stored(engines):
     manifest = open_engine(engine).manifest
     q = manifest.quantization
     assert (q.method, q.block_size, q.symmetric, q.scale_dtype) == ("search", 32, True, "float16")
-    assert q.formats == {"int4": 8, "int8": 2}  # 2 x (QKV, o, gate/up, down); the LM head and embedding at 8 bits
+    # 2 x (QKV, o, gate/up, down); the LM head at 6 bits, the embedding at 8
+    assert q.formats == {"int4": 8, "int6": 1, "int8": 1}
+    graph = onnx.load(engine / "model.onnx", load_external_data=False).graph
+    formats = sorted(a.i for n in graph.node for a in n.attribute if a.name == "weight_format")
+    assert formats == [4] * 8 + [5]  # the kernels read the LM head's int8 initializer as int6
     assert manifest.kv_cache.dtype == "int8"
     assert manifest.build_options.quant == "int4"
     report = json.loads((engine / "build_report.json").read_text())

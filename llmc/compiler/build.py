@@ -105,6 +105,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
     from llmc.compiler.export import export_onnx
     from llmc.compiler.frontend import load_hf_model, model_spec_from_config, read_config, resolve_model
     from llmc.compiler.tokenizer import export_tokenizer
+    from llmc.passes.cpu_kernels import kernel_library_missing
     from llmc.passes.manager import PassManager
     from llmc.passes.pipeline import pipeline
     from llmc.passes.quantize_weights import QuantizeWeights, records_of
@@ -112,6 +113,10 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
     from llmc.plugins import cpu
 
     options = options or BuildOptions()
+    chose_kv = options.kv_cache_dtype == "auto"
+    if chose_kv:  # recorded as what it resolved to; without the kernel library the cache stays fp32
+        options = dataclasses.replace(options, kv_cache_dtype=options.kv_dtype if kernel_library_missing() is None
+                                      else "fp32")
     passes = pipeline(options)  # refuses a bad --disable-pass before any work
     tools = None
     if options.backend == "tensorrt":  # TensorRT and a GPU, or one line naming the fix, before any work
@@ -174,7 +179,8 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
                 kv_layout.of_model(model) != kv_layout.HEAD_MAJOR:
             raise LlmcError(f"--kv-cache-dtype {options.kv_cache_dtype} needs llmc's CPU attention kernel, which "
                             "this build did not use (cpu-kernels disabled or the kernel library missing); "
-                            "drop --kv-cache-dtype or reinstall llmc with a C compiler")
+                            + ("pass --kv-cache-dtype fp32" if chose_kv else
+                               "drop --kv-cache-dtype or reinstall llmc with a C compiler"))
         stage("passes", t, f"{len(records)} passes, {sum(1 for _ in model.graph)} nodes")
 
         t = time.perf_counter()

@@ -78,7 +78,7 @@ class KVCache:
 @dataclass(frozen=True)
 class QuantizedTensor:
     role: Literal["body", "lm_head", "embedding"]
-    format: Literal["bf16", "fp16", "int8", "int4"]
+    format: Literal["bf16", "fp16", "int8", "int6", "int4"]
     shape: tuple[int, ...]  # [K, N] as the MatMul reads it (the embedding: [hidden, vocab])
     relative_error: float  # ||w - stored|| / ||w||
 

@@ -28,10 +28,11 @@ GRAPH_OPTIMIZATION_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_
 MAX_NUM_SEQS = 4096
 MAX_STEP_TOKENS = 65536
 
-# What a weight can be stored as. "fp32"/"bf16"/"fp16" compute in fp32; "int8"/"int4" are blockwise
-# quantized (ONNX DequantizeLinear with block_size, lowered to llmc's integer GEMMs).
-WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
-QUANT_BITS = {"int8": 8, "int4": 4}
+# What a weight can be stored as. "fp32"/"bf16"/"fp16" compute in fp32; "int8"/"int6"/"int4" are
+# blockwise quantized (ONNX DequantizeLinear with block_size, lowered to llmc's integer GEMMs; int6
+# is int8 in the graph, which has no 6-bit type, and 6.5 bits a weight in llmc's kernels).
+WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "int6", "int4")
+QUANT_BITS = {"int8": 8, "int6": 6, "int4": 4}
 QUANT_METHODS = ("rtn", "search", "awq")  # round to nearest; data-free scale search; activation-aware
 QUANT_BLOCK_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("fp32", "fp16", "bf16", "int8")
@@ -51,10 +52,10 @@ class BuildOptions:
     quant_block_size: int = 32  # weights per quantization block, along K
     quant_symmetric: bool = True  # symmetric blocks (no zero point) or asymmetric (a zero point each)
     quant_method: str = "search"  # QUANT_METHODS
-    lm_head: str = "auto"  # the LM head's format: WEIGHT_FORMATS, or "auto" (int8 when quant is int4, else quant)
+    lm_head: str = "auto"  # the LM head's format: WEIGHT_FORMATS, or "auto" (int6 when quant is int4, else quant)
     embedding: str = "auto"  # the embedding table's: fp32, bf16, fp16, int8, or "auto" (int8 when quantized)
     weight_dtype: str = "fp32"  # storage of the weights left unquantized: fp32, bf16, fp16
-    kv_cache_dtype: str = "fp32"  # KV_CACHE_DTYPES
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES, or "auto" (kv_dtype says what it becomes)
     calibrate: str | None = None  # text file for --quant-method awq; None: the held-out corpus
     backend: str = added("onnxruntime")  # BACKENDS: ONNX Runtime on CPU, or TensorRT with llmc's plugin
     precision: str = added("auto")  # PRECISIONS; auto: fp32 for onnxruntime, fp16 for tensorrt
@@ -66,7 +67,7 @@ class BuildOptions:
         # ONNX Runtime's Gather reads no 4-bit tensor, so the table is at least 8 bits.
         _one_of("--embedding", self.embedding, ("auto", *WEIGHT_FORMATS[:4]))
         _one_of("--weight-dtype", self.weight_dtype, WEIGHT_FORMATS[:3])
-        _one_of("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _one_of("--kv-cache-dtype", self.kv_cache_dtype, ("auto", *KV_CACHE_DTYPES))
         if self.quant_block_size not in QUANT_BLOCK_SIZES or isinstance(self.quant_block_size, bool):
             raise LlmcError(f"--quant-block-size must be one of {', '.join(map(str, QUANT_BLOCK_SIZES))} "
                             f"(got {self.quant_block_size!r})")
@@ -87,7 +88,7 @@ class BuildOptions:
             if self.precision == "fp32":
                 raise LlmcError("--backend tensorrt computes in fp16 or bf16 (llmc's attention plugin); "
                                 "use --precision fp16 or bf16")
-            if self.kv_cache_dtype not in ("fp32", self.compute_dtype):
+            if self.kv_cache_dtype not in ("auto", "fp32", self.compute_dtype):
                 raise LlmcError(f"--kv-cache-dtype {self.kv_cache_dtype}: a TensorRT engine's KV cache is in its "
                                 f"--precision ({self.compute_dtype}); drop --kv-cache-dtype")
 
@@ -98,6 +99,17 @@ class BuildOptions:
             return self.precision
         return "fp16" if self.backend == "tensorrt" else "fp32"
 
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's storage. "auto" is fp16 where any weight is stored in fewer than 32 bits
+        and llmc's attention kernel runs (llama.cpp's default cache; its error is a small fraction
+        of the weights' own, and it halves the bytes attention reads per token), else fp32. The
+        build records what it resolved to."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        kernel = self.backend == "onnxruntime" and "cpu-kernels" not in self.disable_passes
+        return "fp16" if kernel and self.reduces_weights else "fp32"
 
     @property
     def reduces_weights(self) -> bool:
@@ -112,7 +124,11 @@ class BuildOptions:
         choice = getattr(self, role)
         if choice != "auto":
             return choice
-        return body if self.quant == "none" else "int8"
+        if self.quant == "none":
+            return body
+        # The LM head keeps more bits than int4 (llama.cpp's Q4_0/Q4_K_M keep it at Q6_K, or Q8_0
+        # where a row is not a multiple of 256): int6, docs/quantization.md has its cost.
+        return "int6" if role == "lm_head" and self.quant == "int4" else "int8"
 
 
 def _one_of(flag: str, value: Any, choices: tuple[str, ...]) -> None:

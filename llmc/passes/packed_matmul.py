@@ -12,7 +12,7 @@ accumulate in registers, so a decode step of 8 or 16 rows costs about one read o
 The folds remove nodes and their dispatch, not arithmetic.
 
 Weights quantize-weights stored in fewer bits are lowered here too: `MatMul(x,
-DequantizeLinear(q, scale[, zero_point]))` -> PackedMatMul over llmc's blockwise int8/int4 format,
+DequantizeLinear(q, scale[, zero_point]))` -> PackedMatMul over llmc's blockwise int8/int6/int4 format,
 `MatMul(x, Cast(w16))` -> PackedMatMul over 16-bit panels (llmc.plugins.cpu.quant), the node's
 `weight_format` attribute saying which; the folds carry it along.
 """
@@ -55,8 +55,8 @@ class PackedMatMul(Rule):
 
 
 # What an initializer's numpy dtype says about the format of a weight DequantizeLinear or Cast
-# reads: the inverse of the types quantize-weights stores them in.
-BITS = {np.dtype(kind): bits for (bits, _), kind in INT_TYPES.items()}
+# reads: the inverse of the types quantize-weights stores them in (an 8-bit type may hold int6).
+BITS = {np.dtype(kind): bits for (bits, _), kind in INT_TYPES.items() if bits != 6}
 SIXTEEN_BIT = {np.dtype(kind): name for name, kind in STORED_16BIT.items()}
 
 
@@ -89,8 +89,10 @@ class QuantizedPackedMatMul(Rule):
         zero_point = weight(m.dq.inputs[2]) if len(m.dq.inputs) > 2 else None
         bits, block = BITS[q.dtype], m.dq.attributes.get_int("block_size", 0)
         as_bytes = q.astype(np.uint8 if zero_point is not None else np.int8)
-        blob = quant.pack_quantized(as_bytes, scale, None if zero_point is None else zero_point.astype(np.uint8),
-                                    bits, block)
+        zero_point = None if zero_point is None else zero_point.astype(np.uint8)
+        if bits == 8:  # int6 comes as int8: stored in the fewest bits that hold it, the same integers
+            bits = quant.narrowest_bits(as_bytes, zero_point)
+        blob = quant.pack_quantized(as_bytes, scale, zero_point, bits, block)
         packed = op.initializer(blob, f"{m.q.name}.packed")
         return op.PackedMatMul(m.x, packed, domain=cpu.DOMAIN, n=q.shape[1],
                                weight_format=quant.WEIGHT_FORMATS[f"int{bits}"], block_size=block,

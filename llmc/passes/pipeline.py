@@ -61,7 +61,7 @@ def phases(options: BuildOptions) -> list[Phase]:
         return common + [Phase("lower", (TensorRTPlugin(),)),
                          Phase("precision", (TensorRTPrecision(options.compute_dtype),))]
     return common + [
-        Phase("backend kernels", (ORTFusions(), CPUKernels(block, options.kv_cache_dtype))),
+        Phase("backend kernels", (ORTFusions(), CPUKernels(block, options.kv_dtype))),
         Phase("lower", (LowerPagedAttentionORT(block),)),
         Phase("layout", (SimplifyLayout(),)),
         Phase("weights", (PackedMatMuls(),) + ((LosslessWeights(),) if options.lossless_weights else ())),

@@ -33,7 +33,9 @@ from llmc.passes.rewrite import Rule, RulePass
 METADATA_KEY = "llmc.quantization"
 SIXTEEN_BIT = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 FLOAT = ir.DataType.FLOAT.value
-INT_TYPES = {(4, True): ml_dtypes.int4, (4, False): ml_dtypes.uint4, (8, True): np.int8, (8, False): np.uint8}
+# int6 has no ONNX type: int8 holding 6-bit values, which the CPU lowering packs in 6 bits.
+INT_TYPES = {(4, True): ml_dtypes.int4, (4, False): ml_dtypes.uint4, (8, True): np.int8, (8, False): np.uint8,
+             (6, True): np.int8, (6, False): np.uint8}
 
 
 def matmul_weight(value: ir.Value | None) -> np.ndarray | None:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Symmetric ranges: int4 uses all 16 levels (the extreme value may take -8); int8 stays within
-# +-127 so the kernels' signed byte products cannot saturate.
-SYMMETRIC_RANGE = {4: (-8, 7), 8: (-127, 127)}
+# Symmetric ranges: int4 and int6 use all their levels (the extreme value may take -8 / -32);
+# int8 stays within +-127 so the kernels' signed byte products cannot saturate.
+SYMMETRIC_RANGE = {4: (-8, 7), 6: (-32, 31), 8: (-127, 127)}
 SEARCH_STEPS = 10  # candidates on each side of the plain scale, 0.1 of a level apart (llama.cpp's nstep)
 
 

@@ -93,6 +93,18 @@ static int64_t rows_with_last(const tensor *x, int64_t last, int64_t dims[8]) {
     return rows;
 }
 
+/* An op's temporary rows: decode's few fit on the stack, so the ops of a step make no allocator
+ * calls (glibc consolidates its free lists on every request over 1 KB); more rows use the heap. */
+typedef struct {
+    _Alignas(64) uint8_t local[16384];
+    void *heap;
+} scratch;
+
+static void *scratch_get(scratch *s, size_t bytes) {
+    s->heap = NULL;
+    return bytes <= sizeof s->local ? (void *)s->local : (s->heap = malloc(bytes));
+}
+
 static OrtStatus *parallel(OrtKernelContext *ctx, void (*fn)(void *, size_t), size_t total, void *arg) {
     return CALL(ORT_KernelContext_ParallelFor, ort_parallel_for_fn, ctx, fn, total, 0, arg);
 }
@@ -284,8 +296,8 @@ static OrtStatus *check_packed(const char *op, const linear_kernel *kernel, cons
     if (x->type != ORT_FLOAT || x->rank < 1)
         return error(op, "input must be float32");
     int64_t format = kernel->format;
-    if (format == LLMC_FORMAT_INT8 || format == LLMC_FORMAT_INT4) {
-        int bits = format == LLMC_FORMAT_INT8 ? 8 : 4;
+    int bits = llmc_format_bits(format);
+    if (bits) {
         *k = x->dims[x->rank - 1];
         if (*k % kernel->block_size != 0)
             return error(op, "input's last dim (K) is not a multiple of the weight's block_size");
@@ -315,8 +327,8 @@ static OrtStatus *check_packed(const char *op, const linear_kernel *kernel, cons
 
 static void linear_one(void *arg, size_t panel) {
     const linear_job *job = arg;
-    if (job->format == LLMC_FORMAT_INT8 || job->format == LLMC_FORMAT_INT4)
-        llmc_linear_quant(&job->act, job->packed, job->y, job->n, job->format == LLMC_FORMAT_INT8 ? 8 : 4,
+    if (llmc_format_bits(job->format))
+        llmc_linear_quant(&job->act, job->packed, job->y, job->n, llmc_format_bits(job->format),
                           job->zero_points, (int64_t)panel, (int64_t)panel + 1);
     else if (job->format != LLMC_FORMAT_FP32)
         llmc_linear_16bit(job->x, job->packed, job->y, job->m, job->k, job->n, job->format == LLMC_FORMAT_BF16,
@@ -368,12 +380,13 @@ static void quantize_one(void *arg, size_t task) {
 static OrtStatus *run_linear(OrtKernelContext *ctx, const char *op, const linear_kernel *kernel, linear_job *job) {
     if (job->m == 0)
         return NULL;
-    if (job->format != LLMC_FORMAT_INT8 && job->format != LLMC_FORMAT_INT4)
+    if (!llmc_format_bits(job->format))
         return parallel(ctx, linear_one, (size_t)panels_of(job->n), job);
-    void *scratch = malloc((size_t)llmc_qact_bytes(job->m, job->k, kernel->block_size));
-    if (scratch == NULL)
+    scratch buffer;
+    void *rows = scratch_get(&buffer, (size_t)llmc_qact_bytes(job->m, job->k, kernel->block_size));
+    if (rows == NULL)
         return error(op, "out of memory for the quantized rows");
-    llmc_qact_init(&job->act, scratch, job->m, job->k, kernel->block_size);
+    llmc_qact_init(&job->act, rows, job->m, job->k, kernel->block_size);
     quantize_job q = {.job = job, .rows_per_task = 8};
     OrtStatus *status = NULL;
     if (job->m < 16)
@@ -382,7 +395,7 @@ static OrtStatus *run_linear(OrtKernelContext *ctx, const char *op, const linear
         status = parallel(ctx, quantize_one, (size_t)((job->m + q.rows_per_task - 1) / q.rows_per_task), &q);
     if (status == NULL)
         status = parallel(ctx, linear_one, (size_t)panels_of(job->n), job);
-    free(scratch);
+    free(buffer.heap);
     return status;
 }
 
@@ -438,14 +451,15 @@ static OrtStatus *norm_linear_compute(void *state, OrtKernelContext *ctx) {
     TRY(lossless_input(ctx, op, 4, &job));
     if (job.m == 0)
         return NULL;
-    float *normed = malloc((size_t)(job.m * job.k) * sizeof(float));
+    scratch buffer;
+    float *normed = scratch_get(&buffer, (size_t)(job.m * job.k) * sizeof(float));
     if (normed == NULL)
         return error(op, "out of memory for the normed rows");
     /* The norm is a sliver of the work (one pass over the rows); the GEMM is split over panels. */
     llmc_skip_rmsnorm_rows(x_data, skip_data, gamma_data, sum, normed, job.k, kernel->epsilon, 0, job.m);
     job.x = normed;
     OrtStatus *status = run_linear(ctx, op, kernel, &job);
-    free(normed);
+    free(buffer.heap);
     return status;
 }
 
@@ -471,14 +485,15 @@ static OrtStatus *swiglu_linear_compute(void *state, OrtKernelContext *ctx) {
     TRY(lossless_input(ctx, op, 2, &job));
     if (job.m == 0)
         return NULL;
-    float *h = malloc((size_t)(job.m * job.k) * sizeof(float));
+    scratch buffer;
+    float *h = scratch_get(&buffer, (size_t)(job.m * job.k) * sizeof(float));
     if (h == NULL)
         return error(op, "out of memory for the activated rows");
     OrtStatus *status = swiglu_rows(ctx, x_data, h, job.k, job.m);
     job.x = h;
     if (status == NULL)
         status = run_linear(ctx, op, kernel, &job);
-    free(h);
+    free(buffer.heap);
     return status;
 }
 
@@ -546,9 +561,9 @@ static OrtStatus *linear_create(const OrtCustomOp *op, const OrtApi *ort, const 
     const char *problem = NULL;
     if (k->n <= 0)
         problem = "attribute n (output columns) must be positive";
-    else if (k->format < LLMC_FORMAT_FP32 || k->format > LLMC_FORMAT_INT4)
-        problem = "attribute weight_format must be 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8) or 4 (int4)";
-    else if ((k->format == LLMC_FORMAT_INT8 || k->format == LLMC_FORMAT_INT4) &&
+    else if (k->format < LLMC_FORMAT_FP32 || k->format > LLMC_FORMAT_INT6)
+        problem = "attribute weight_format must be 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8), 4 (int4) or 5 (int6)";
+    else if (llmc_format_bits(k->format) &&
              ((k->block_size != 32 && k->block_size != 64 && k->block_size != 128) ||
               (k->zero_points != 0 && k->zero_points != 1)))
         problem = "quantized weights need block_size 32, 64 or 128 and zero_points 0 or 1";

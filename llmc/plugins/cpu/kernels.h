@@ -103,12 +103,26 @@ void llmc_skip_rmsnorm_rows(const float *x, const float *skip, const float *gamm
  *   B / 4 groups of 4 k steps: int8: [32 columns][4 k] bytes (asymmetric: q - 128);
  *                              int4: two 32-byte vectors, columns 0-15 then 16-31, each byte
  *                              i = column % 8 * 4 + k % 4 with column c % 16 < 8 in its low nibble
- *                              and c + 8 in its high one (symmetric: q + 8).
- * int4 symmetric at B = 32 is 576 bytes per 1024 weights: 4.5 bits a weight. Padding columns of
+ *                              and c + 8 in its high one (symmetric: q + 8);
+ *                              int6: int4's 64 bytes holding the low 4 bits, then 32 bytes of
+ *                              the high 2: byte i = column % 8 * 4 + k % 4 holds column
+ *                              c % 8 + 8 * j at bits 2j..2j+1 (symmetric: q + 32).
+ * int4 symmetric at B = 32 is 576 bytes per 1024 weights: 4.5 bits a weight; int6 6.5. Padding columns of
  * the last panel have scale 0. The activations are quantized per row and block: sx = max|x| / 127,
  * xq = round-half-even(x * (1 / sx)) in int8 (a zero block: 0), then
  * y[r, c] = sum over blocks of scale[c] * sx[r] * sum_k xq * (q - zp), integer inner sums. */
-enum { LLMC_FORMAT_FP32 = 0, LLMC_FORMAT_BF16 = 1, LLMC_FORMAT_FP16 = 2, LLMC_FORMAT_INT8 = 3, LLMC_FORMAT_INT4 = 4 };
+enum {
+    LLMC_FORMAT_FP32 = 0,
+    LLMC_FORMAT_BF16 = 1,
+    LLMC_FORMAT_FP16 = 2,
+    LLMC_FORMAT_INT8 = 3,
+    LLMC_FORMAT_INT4 = 4,
+    LLMC_FORMAT_INT6 = 5
+};
+/* The bits of a quantized format, or 0 for the others. */
+static inline int llmc_format_bits(int64_t format) {
+    return format == LLMC_FORMAT_INT8 ? 8 : format == LLMC_FORMAT_INT6 ? 6 : format == LLMC_FORMAT_INT4 ? 4 : 0;
+}
 
 int64_t llmc_quant_block_bytes(int bits, int64_t block, int zero_points);
 int64_t llmc_quant_bytes(int64_t k, int64_t n, int bits, int64_t block, int zero_points);

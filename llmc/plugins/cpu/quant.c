@@ -11,7 +11,10 @@
  *   sub-block (8 groups, < 30480) are added as they are and widened once per sub-block.
  * - int8: maddubs(|w|, sign(x, w)) (x in [-127, 127], so its negation never wraps; |-128| reads
  *   as the unsigned 128): at most 128 * 127 * 2 = 32512 per pair, widened at once.
- * The zero point (int4's stored offset included) is applied at the end of a sub-block as
+ * - int6: int4's nibbles OR'd with the high 2 bits of a third vector (shifted into bits 4-5),
+ *   unsigned 0..63 (the symmetric ones stored + 32): 63 * 127 * 2 = 16002 per pair, widened at
+ *   once as int8's.
+ * The zero point (the stored offsets of int4/int6 included) is applied at the end of a sub-block as
  * dot - zp * sum(xq), exact in float32 (every term an integer below 2^24), then the sub-block adds
  * scale[c] * sx[r] * that to the row's float accumulator.
  * Two rows per tile: 8 integer accumulators, 4 weight vectors and the constants fill the 16 ymm
@@ -32,7 +35,9 @@
 #define HALF_AHEAD 8192     /* the 16-bit tile's: half the fp32 tile's 16 KB, the same k steps ahead */
 #define ONE_PASS_ROWS 2     /* rows per tile: more rows take another pass over the panel, from cache */
 
-static int64_t group_bytes(int bits) { return bits == 8 ? 4 * LLMC_PANEL : 2 * LLMC_PANEL; }
+static int64_t group_bytes(int bits) { return (bits == 8 ? 4 : bits == 6 ? 3 : 2) * LLMC_PANEL; }
+/* What a symmetric format stores each q plus, so the kernel's weight operand is unsigned. */
+static float stored_offset(int bits) { return bits == 8 ? 0.0f : bits == 6 ? 32.0f : 8.0f; }
 
 int64_t llmc_quant_block_bytes(int bits, int64_t block, int zero_points) {
     return QUANT_HEADER + (zero_points ? QUANT_ZP : 0) + block / 4 * group_bytes(bits);
@@ -67,10 +72,14 @@ void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_
         for (int64_t b = 0; b < k / B; b++) {
             const float *xb = x + r * k + b * B;
             int8_t *q = a->q + r * k + b * B;
+            /* A compare, not fmaxf: GCC calls libm's fmaxf per element (NaN rules) and this loop is
+             * on every op's serial path. A NaN is skipped either way. */
             float amax = 0.0f;
 #pragma omp simd reduction(max : amax)
-            for (int64_t i = 0; i < B; i++)
-                amax = fmaxf(amax, fabsf(xb[i]));
+            for (int64_t i = 0; i < B; i++) {
+                float v = fabsf(xb[i]);
+                amax = v > amax ? v : amax;
+            }
             float sx = amax / 127.0f;
             if (!(sx > 0.0f) || !isfinite(sx)) { /* a zero (or non-finite) block contributes 0 */
                 sx = 0.0f;
@@ -129,9 +138,13 @@ static float bf16_to_float(uint16_t h) {
 static int stored_weight(const uint8_t *wq, int bits, int64_t g, int c, int kk) {
     if (bits == 8)
         return ((const int8_t *)wq)[g * 128 + c * 4 + kk];
+    const uint8_t *group = wq + g * group_bytes(bits);
     int half = c / 16, high = (c % 16) / 8;
-    uint8_t byte = wq[g * 64 + half * 32 + (c % 8) * 4 + kk];
-    return high ? byte >> 4 : byte & 15;
+    uint8_t byte = group[half * 32 + (c % 8) * 4 + kk];
+    int low = high ? byte >> 4 : byte & 15;
+    if (bits == 4)
+        return low;
+    return low | ((group[64 + (c % 8) * 4 + kk] >> (2 * (c / 8))) & 3) << 4;
 }
 
 static void quant_panel_plain(const llmc_qact *a, const uint8_t *panel, float *out, int64_t out_stride,
@@ -143,7 +156,7 @@ static void quant_panel_plain(const llmc_qact *a, const uint8_t *panel, float *o
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = panel + b * bb, *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
             float sx = a->scale[(row0 + r) * nb + b];
-            int64_t span = bits == 4 ? SUB : B; /* as the AVX2 tile: int4 per 32 k, int8 per block */
+            int64_t span = bits == 4 ? SUB : B; /* as the AVX2 tile: int4 per 32 k, the others per block */
             for (int64_t s0 = 0; s0 < B; s0 += span) {
                 float xs = 0.0f;
                 for (int64_t s = s0 / SUB; s < (s0 + span) / SUB; s++)
@@ -152,7 +165,7 @@ static void quant_panel_plain(const llmc_qact *a, const uint8_t *panel, float *o
                     int32_t dot = 0;
                     for (int64_t i = s0; i < s0 + span; i++)
                         dot += xq[b * B + i] * stored_weight(wq, bits, i / 4, c, (int)(i % 4));
-                    float offset = zp ? (float)((const int8_t *)(blk + QUANT_HEADER))[c] : (bits == 4 ? 8.0f : 0.0f);
+                    float offset = zp ? (float)((const int8_t *)(blk + QUANT_HEADER))[c] : stored_offset(bits);
                     uint16_t h;
                     memcpy(&h, blk + 2 * c, sizeof h);
                     acc[c] += ((float)dot - offset * xs) * (half_to_float(h) * sx);
@@ -199,7 +212,7 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++)
             acc[r][j] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
     const uint8_t *blk = panel;
     for (int64_t b = 0; b < nb; b++, blk += bb) {
         const uint8_t *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
@@ -221,17 +234,33 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
                     PREFETCH_ONCE(gp + QUANT_AHEAD);
                 else
                     PREFETCH(gp + QUANT_AHEAD);
-                if (bits == 4) {
+                if (bits != 8) {
                     __m256i v0 = _mm256_loadu_si256((const __m256i *)gp);
                     __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 32));
                     __m256i w[4] = {_mm256_and_si256(v0, nibble), _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble),
                                     _mm256_and_si256(v1, nibble), _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble)};
+                    if (bits == 6) {
+                        if (once)
+                            PREFETCH_ONCE(gp + QUANT_AHEAD + 64);
+                        else
+                            PREFETCH(gp + QUANT_AHEAD + 64);
+                        /* Column group j's high 2 bits sit at bits 2j: shifted to bits 4-5 (a 16-bit
+                         * shift carries bits across bytes, but the mask keeps only the byte's own). */
+                        __m256i h = _mm256_loadu_si256((const __m256i *)(gp + 64));
+                        w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
+                        w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
+                        w[2] = _mm256_or_si256(w[2], _mm256_and_si256(h, top));
+                        w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
+                    }
                     for (int r = 0; r < R; r++) {
                         int32_t four;
                         memcpy(&four, xq[r] + b * B + g * 4, sizeof four);
                         __m256i xb = _mm256_set1_epi32(four);
-                        for (int j = 0; j < 4; j++)
-                            dot[r][j] = _mm256_add_epi16(dot[r][j], _mm256_maddubs_epi16(w[j], xb));
+                        for (int j = 0; j < 4; j++) {
+                            __m256i pairs = _mm256_maddubs_epi16(w[j], xb);
+                            dot[r][j] = bits == 4 ? _mm256_add_epi16(dot[r][j], pairs)
+                                                  : _mm256_add_epi32(dot[r][j], _mm256_madd_epi16(pairs, ones));
+                        }
                     }
                 } else {
                     if (once)
@@ -262,7 +291,7 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
                     offset[j] = _mm256_cvtepi32_ps(
                         _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + QUANT_HEADER + 8 * j))));
                 else
-                    offset[j] = _mm256_set1_ps(8.0f); /* int4's stored offset; int8 symmetric has none */
+                    offset[j] = _mm256_set1_ps(stored_offset(bits)); /* int8 symmetric has none */
             }
             for (int r = 0; r < R; r++) {
                 const float *sums = a->sum + (row0 + r) * (k / SUB) + b * (B / SUB) + s0 / SUB;
@@ -272,7 +301,7 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
                 __m256 sx = _mm256_set1_ps(a->scale[(row0 + r) * nb + b]), xsv = _mm256_set1_ps(xs);
                 for (int j = 0; j < 4; j++) {
                     __m256 d = _mm256_cvtepi32_ps(bits == 4 ? _mm256_madd_epi16(dot[r][j], ones) : dot[r][j]);
-                    if (zp || bits == 4)
+                    if (zp || bits != 8)
                         d = _mm256_fnmadd_ps(offset[j], xsv, d);
                     acc[r][j] = _mm256_fmadd_ps(d, _mm256_mul_ps(scale[j], sx), acc[r][j]);
                 }
@@ -312,6 +341,8 @@ QUANT_PANELS(int4_sym, 4, 0)
 QUANT_PANELS(int4_asym, 4, 1)
 QUANT_PANELS(int8_sym, 8, 0)
 QUANT_PANELS(int8_asym, 8, 1)
+QUANT_PANELS(int6_sym, 6, 0)
+QUANT_PANELS(int6_asym, 6, 1)
 
 /* AVX-512 VNNI would go here: vpdpbusd (u8 x s8 -> s32 in one instruction) on 16-column zmm
  * vectors of the same 4-k groups (a 512-bit vector is 16 columns x 4 k), dispatched on
@@ -389,6 +420,8 @@ void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n
     if (llmc_avx2()) {
         if (bits == 4)
             (zero_points ? int4_asym : int4_sym)(a, w, y, n, p0, p1);
+        else if (bits == 6)
+            (zero_points ? int6_asym : int6_sym)(a, w, y, n, p0, p1);
         else
             (zero_points ? int8_asym : int8_sym)(a, w, y, n, p0, p1);
         return;
