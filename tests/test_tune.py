@@ -215,7 +215,9 @@ def test_build_knobs_come_from_the_manifest(llama_engine):
     assert "--lossless-weights" in build_command(manifest, llama_engine, {**space.default, "lossless_weights": True})
     # A variant is the engine's own build options with the knobs changed, built again.
     variant = variant_options(manifest.build_options, {**space.default, "block_size": 8, "disable_passes": "a+b"})
-    assert variant == BuildOptions(block_size=8, max_context=256, disable_passes=("a", "b"), verify=True)
+    # (the engine recorded the KV cache its "auto" resolved to, and a variant keeps it)
+    assert variant == BuildOptions(block_size=8, max_context=256, disable_passes=("a", "b"), verify=True,
+                                   kv_cache_dtype="fp32")
 
 
 # -- tuning.json --------------------------------------------------------------------------------
