@@ -82,6 +82,14 @@ CASES = {
                                   window=21),
     "decode-head-dim-6-block-16": dict(seq=1, past=(40, 17), qlen=(1, 1), heads=4, kv_heads=2, head_dim=6, block=16,
                                        rotary=0),
+    # Decode with few (row, KV head) pairs splits each row's keys into chunks (how many depends on
+    # the CPU count), merged after the tasks: one long row; a long, a one-block and a padding row
+    # (empty chunks); a window starting mid-block with softcapped scores.
+    "decode-split": dict(seq=1, past=(300,), qlen=(1,), heads=9, kv_heads=3, head_dim=64, block=16),
+    "decode-split-uneven-rows": dict(seq=1, past=(250, 3, 40), qlen=(1, 1, 0), heads=4, kv_heads=1, head_dim=32,
+                                     block=16),
+    "decode-split-window-softcap": dict(seq=1, past=(200, 150), qlen=(1, 1), heads=6, kv_heads=2, head_dim=64,
+                                        block=16, window=150, softcap=2.0),
     # With 8 or more (row, query tile) pairs a task reads every KV head of its row.
     "decode-all-heads": dict(seq=1, past=(37, 5, 0, 16, 17, 100, 3, 60, 1), qlen=(1,) * 8 + (0,), heads=9, kv_heads=3,
                              head_dim=64, block=16),

@@ -1,3 +1,4 @@
+#define _GNU_SOURCE /* sysconf(_SC_NPROCESSORS_ONLN) under -std=c11 */
 /* See kernels.h. Written for the compiler's vectorizer: the inner loops run over head_dim or a
  * block's keys with `omp simd` (built with -fopenmp-simd, no OpenMP runtime), and each function
  * is cloned for AVX-512, AVX2 and baseline x86-64 so one build runs on any x86 CPU. */
@@ -7,6 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -94,12 +96,34 @@ int64_t llmc_attention_tile_bytes(const llmc_attention *a) {
     }
 }
 
+#ifdef LLMC_X86
+/* half_of over 8 values at a time: F16C's conversion rounds to nearest even as half_of does. It
+ * runs on every step's serial path (each new token's K and V). */
+__attribute__((target("avx,f16c"))) static void halves_f16c(const float *restrict x, uint16_t *restrict h,
+                                                            int64_t d) {
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < d; i++)
+        h[i] = half_of(x[i]);
+}
+#endif
+
 /* Stores a token's d values x into its tile, at element i * stride + offset for value i, as the
  * pool's type holds them (an int8 tile's scale goes to scales[slot]). */
 static void store_token(int type, const float *restrict x, char *tile, int64_t d, int64_t stride, int64_t offset,
                         int64_t bs, int64_t slot) {
     if (type == LLMC_KV_FP16 || type == LLMC_KV_BF16) {
         uint16_t *t = (uint16_t *)tile + offset;
+#ifdef LLMC_X86
+        if (type == LLMC_KV_FP16 && llmc_avx2()) {
+            uint16_t h[LLMC_MAX_HEAD_DIM];
+            halves_f16c(x, h, d);
+            for (int64_t i = 0; i < d; i++)
+                t[i * stride] = h[i];
+            return;
+        }
+#endif
         for (int64_t i = 0; i < d; i++)
             t[i * stride] = type == LLMC_KV_FP16 ? half_of(x[i]) : bf16_of(x[i]);
         return;
@@ -281,23 +305,98 @@ void llmc_attention_write(const llmc_attention *a) {
 
 /* Tasks enough to keep the threads busy, with dynamic scheduling evening out rows of unequal length. */
 #define LLMC_MIN_TASKS 8
+/* Decode with few (row, KV head) pairs splits each row's keys into chunks of at least
+ * LLMC_MIN_SPLIT_BLOCKS blocks, up to split_tasks() tasks in all (see llmc_attention_splits). */
+#define LLMC_MIN_SPLIT_BLOCKS 2
+#define LLMC_MAX_SPLITS 64
+/* A task fetches its first blocks, up to this many bytes, as it starts, then a block ahead. */
+#define LLMC_TASK_AHEAD_BYTES 65536
 
-/* A task is (row b, query heads [h0, h0 + heads), query tile). A task takes all heads when that
- * leaves enough tasks: a block's KV heads lie side by side in the pool and a sequence's blocks
- * mostly follow each other, so the task reads one run of memory, not one head's tiles at a
+/* Three tasks per CPU: enough for dynamic scheduling to even them out, few enough that each is a
+ * run of blocks long enough to stream (docs/attention_cpu.md, "Split decode"). */
+static int64_t split_tasks(void) {
+    static int64_t tasks = 0;
+    if (tasks == 0) {
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        tasks = 3 * (cpus > 1 ? cpus : 2);
+    }
+    return tasks;
+}
+
+/* A task is (row b, query heads [h0, h0 + heads), query tile, key chunk). A task takes all heads
+ * when that leaves enough tasks: a block's KV heads lie side by side in the pool and a sequence's
+ * blocks mostly follow each other, so the task reads one run of memory, not one head's tiles at a
  * stride (measured in docs/attention_cpu.md).
- * Otherwise heads that share a KV head go together, so each key and value is loaded once for
- * all of them; with fewer tasks still (batch-1 decode), each query head is a task of its own. */
+ * Otherwise heads that share a KV head go together, so each key and value is loaded (and a
+ * converted pool widened) once for all of them; decode with fewer pairs still also splits keys. */
 static int64_t heads_per_task(const llmc_attention *a) {
     int64_t per_head = a->batch * ((a->seq + a->rows_per_task - 1) / a->rows_per_task);
     if (per_head >= LLMC_MIN_TASKS)
         return a->num_heads;
-    return per_head * a->num_kv_heads >= LLMC_MIN_TASKS ? a->num_heads / a->num_kv_heads : 1;
+    return per_head * a->num_kv_heads >= LLMC_MIN_TASKS || a->seq == 1 ? a->num_heads / a->num_kv_heads : 1;
+}
+
+/* The number of key chunks per row (flash-decoding's split-K): batch-1 decode has as few tasks
+ * as KV heads, each a chain of dependent block reads from scattered blocks, so the threads sit
+ * waiting on memory one block at a time. Chunks give the threads independent chains; each chunk
+ * leaves its (max, sum, unnormalized output) in `partial`, and llmc_attention_combine merges them. */
+int64_t llmc_attention_splits(const llmc_attention *a) {
+    int64_t pairs = a->batch * a->num_kv_heads;
+    if (a->seq != 1 || pairs >= split_tasks())
+        return 1;
+    int64_t longest = 0;  /* blocks, in the longest row's range of keys */
+    for (int64_t b = 0; b < a->batch; b++) {
+        if (a->query_lens[b] == 0)
+            continue;
+        int64_t last = a->past_lens[b], first = 0;
+        if (a->sliding_window > 0 && last - a->sliding_window + 1 > 0)
+            first = last - a->sliding_window + 1;
+        int64_t blocks = last / a->block_size - first / a->block_size + 1;
+        longest = blocks > longest ? blocks : longest;
+    }
+    int64_t splits = (split_tasks() + pairs - 1) / pairs, by_length = longest / LLMC_MIN_SPLIT_BLOCKS;
+    splits = splits < by_length ? splits : by_length;
+    splits = splits < LLMC_MAX_SPLITS ? splits : LLMC_MAX_SPLITS;
+    return splits > 1 ? splits : 1;
+}
+
+int64_t llmc_attention_partial_floats(const llmc_attention *a) {
+    return a->splits > 1 ? a->batch * a->num_heads * a->splits * (a->head_dim + 2) : 0;
 }
 
 int64_t llmc_attention_tasks(const llmc_attention *a) {
     int64_t tiles = (a->seq + a->rows_per_task - 1) / a->rows_per_task;
-    return a->batch * (a->num_heads / heads_per_task(a)) * tiles;
+    return a->batch * (a->num_heads / heads_per_task(a)) * tiles * a->splits;
+}
+
+/* A (row, head)'s chunks, each [max, sum, output[d]] over its keys: the softmax over all of them. */
+LLMC_CLONES
+void llmc_attention_combine(const llmc_attention *a) {
+    int64_t d = a->head_dim, S = a->splits, stride = d + 2;
+    for (int64_t b = 0; b < a->batch; b++) {
+        if (a->query_lens[b] == 0)  /* a padding row: its tasks wrote zeros */
+            continue;
+        for (int64_t h = 0; h < a->num_heads; h++) {
+            const float *part = a->partial + (b * a->num_heads + h) * S * stride;
+            float best = -INFINITY, total = 0.0f, weight[LLMC_MAX_SPLITS];
+            for (int64_t c = 0; c < S; c++)
+                best = part[c * stride] > best ? part[c * stride] : best;
+            for (int64_t c = 0; c < S; c++) {  /* a chunk that saw no key has max -inf: weight 0 */
+                weight[c] = part[c * stride + 1] > 0.0f ? exp_f(part[c * stride] - best) : 0.0f;
+                total += weight[c] * part[c * stride + 1];
+            }
+            float *restrict dst = a->out + b * a->num_heads * d + h * d;
+            for (int64_t i = 0; i < d; i++)
+                dst[i] = 0.0f;
+            for (int64_t c = 0; c < S; c++) {
+                const float *restrict acc = part + c * stride + 2;
+                float w = weight[c] / total;
+#pragma omp simd
+                for (int64_t i = 0; i < d; i++)
+                    dst[i] += w * acc[i];
+            }
+        }
+    }
 }
 
 /* Scores of R rows against a 16-key tile kt [d, 16] (keys transposed): one key-vector load
@@ -590,10 +689,11 @@ static inline __attribute__((always_inline)) void scale_columns(float *restrict 
  * `converted`: the pool is 16-bit or int8 (a->kv_type), each tile read is widened first. */
 static inline __attribute__((always_inline)) void attend(const llmc_attention *a, int64_t task, const int64_t d,
                                                          const int64_t bs, const int converted, const int avx2) {
-    int64_t hkv = a->num_kv_heads, nh = heads_per_task(a);
+    int64_t hkv = a->num_kv_heads, nh = heads_per_task(a), S = a->splits;
     int64_t tiles = (a->seq + a->rows_per_task - 1) / a->rows_per_task;
-    int64_t per_row = (a->num_heads / nh) * tiles;
-    int64_t b = task / per_row, h0 = (task % per_row) / tiles * nh, tile = task % tiles;
+    int64_t per_row = (a->num_heads / nh) * tiles * S;
+    int64_t b = task / per_row, chunk = task % S, rest = task % per_row / S;
+    int64_t h0 = rest / tiles * nh, tile = rest % tiles;
     int64_t group = a->num_heads / hkv, kvh = h0 / group;  /* the task's first KV head */
     int64_t kv_count = nh >= group ? nh / group : 1;        /* and how many it reads */
     int64_t j0 = tile * a->rows_per_task, j1 = j0 + a->rows_per_task;
@@ -610,9 +710,12 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
 #define SCORE_ROWS(...) (avx2 ? score_rows_avx2(__VA_ARGS__) : score_rows(__VA_ARGS__))
 #define WEIGH_ROWS(...) (avx2 ? weigh_rows_avx2(__VA_ARGS__) : weigh_rows(__VA_ARGS__))
 
-    /* A converted pool's tasks also need a float tile (64-byte aligned) and a tile's scales. */
+    /* A converted pool's tasks also need a float tile (64-byte aligned) and a tile's scales.
+     * Decode's few rows fit on the stack: no allocator call per task. */
     int64_t extra = converted ? bs * d + bs + 16 : 0;
-    float *scratch = malloc((size_t)(rows * (2 * d + 2 + bs) + extra) * sizeof(float));
+    size_t bytes = (size_t)(rows * (2 * d + 2 + bs) + extra) * sizeof(float);
+    _Alignas(64) float local[4096];
+    float *scratch = bytes <= sizeof local ? local : malloc(bytes);
     if (scratch == NULL) {  /* reported by the caller once every task has run */
         *a->out_of_memory = 1;
         return;
@@ -633,6 +736,12 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
     int64_t first = 0, last = past + valid_end - 1;
     if (a->sliding_window > 0 && past + j0 - a->sliding_window + 1 > 0)
         first = past + j0 - a->sliding_window + 1;
+    if (S > 1) {  /* this chunk's share of the row's blocks; the first keeps `first`'s offset */
+        int64_t b0 = first / bs, blocks = last / bs - b0 + 1;
+        int64_t c0 = b0 + chunk * blocks / S, c1 = b0 + (chunk + 1) * blocks / S;
+        first = c0 == b0 ? first : c0 * bs;
+        last = c1 * bs - 1 < last ? c1 * bs - 1 : last;
+    }
     const int32_t *table = a->block_tables + b * a->max_blocks;
 
     if (!converted) {
@@ -644,8 +753,10 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
         int spread = bs == 16 && d % 16 == 0 && d <= 128;
         int64_t tile_floats = bs * d, run = kv_count * tile_floats;  /* the task's tiles of a block */
 #define TILE(t) ((const float *)a->cache + ((int64_t)table[(t) / bs] * hkv + kvh) * tile_floats)
-        prefetch_tiles(TILE(first), plane, run);
-        for (int64_t t0 = first - first % bs; t0 <= last; t0 += bs) {
+        int64_t start = first - first % bs, ahead = LLMC_TASK_AHEAD_BYTES / (2 * run * (int64_t)sizeof(float));
+        for (int64_t t = start; t <= last && t <= start + ahead * bs; t += bs)  /* as the converted path */
+            prefetch_tiles(TILE(t), plane, run);
+        for (int64_t t0 = start; t0 <= last; t0 += bs) {
             const float *kt = TILE(t0), *next = t0 + bs <= last ? TILE(t0 + bs) : kt;
             if (!spread && next != kt)
                 prefetch_tiles(next, plane, run);
@@ -668,11 +779,16 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
         int64_t tile_bytes = llmc_attention_tile_bytes(a), plane = a->num_blocks * hkv * tile_bytes;
         int64_t values = bs * d;  /* a tile's elements; int8 scales follow them */
 #define TILE(t) ((const char *)a->cache + ((int64_t)table[(t) / bs] * hkv + kvh) * tile_bytes)
-        for (int64_t i = 0; i < kv_count * tile_bytes; i += 64) {
-            PREFETCH(TILE(first) + i);
-            PREFETCH(TILE(first) + plane + i);
-        }
-        for (int64_t t0 = first - first % bs; t0 <= last; t0 += bs) {
+        /* The task's first blocks at once (a decode chunk: all of it), then the next block's
+         * lines as each is widened. A decode task has little arithmetic to hide one block's
+         * latency behind, so it fetches wide first (docs/attention_cpu.md, "Split decode"). */
+        int64_t start = first - first % bs, ahead = LLMC_TASK_AHEAD_BYTES / (2 * kv_count * tile_bytes);
+        for (int64_t t = start; t <= last && t <= start + ahead * bs; t += bs)
+            for (int64_t i = 0; i < kv_count * tile_bytes; i += 64) {
+                PREFETCH(TILE(t) + i);
+                PREFETCH(TILE(t) + plane + i);
+            }
+        for (int64_t t0 = start; t0 <= last; t0 += bs) {
             const char *kt = TILE(t0), *next = t0 + bs <= last ? TILE(t0 + bs) : kt;
             int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;
             for (int64_t g = 0; g < kv_count; g++) {
@@ -696,12 +812,20 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
 #undef SCORE_ROWS
 #undef WEIGH_ROWS
     for (int64_t r = 0; r < rows; r++) {
+        if (S > 1) {  /* decode (nq = 1): row r is head h0 + r's share, combined later */
+            float *part = a->partial + ((b * a->num_heads + h0 + r) * S + chunk) * (d + 2);
+            part[0] = m[r];
+            part[1] = l[r];
+            memcpy(part + 2, acc + r * d, (size_t)d * sizeof(float));
+            continue;
+        }
         float *dst = a->out + (b * a->seq + j0 + r % nq) * out_stride + (h0 + r / nq) * d;
         float inv = 1.0f / l[r];
         for (int64_t i = 0; i < d; i++)
             dst[i] = acc[r * d + i] * inv;
     }
-    free(scratch);
+    if (scratch != local)
+        free(scratch);
 }
 
 /* llmc_attention_task for a 16-bit or int8 pool. */

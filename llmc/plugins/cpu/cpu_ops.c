@@ -226,9 +226,19 @@ static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
     /* Decode rows attend one query each; prefill chunks take query rows in tiles that share
      * each key block while it is in cache. */
     a.rows_per_task = a.seq == 1 ? 1 : 16;
+    a.splits = llmc_attention_splits(&a);
+    scratch partial;
+    a.partial = scratch_get(&partial, (size_t)llmc_attention_partial_floats(&a) * sizeof(float));
+    if (a.splits > 1 && a.partial == NULL)
+        return error(op, "out of memory for the attention scratch");
     int out_of_memory = 0;
     a.out_of_memory = &out_of_memory;
-    TRY(parallel(ctx, attend_one, (size_t)llmc_attention_tasks(&a), &a));
+    OrtStatus *status = parallel(ctx, attend_one, (size_t)llmc_attention_tasks(&a), &a);
+    if (status == NULL && !out_of_memory && a.splits > 1)
+        llmc_attention_combine(&a);
+    free(partial.heap);
+    if (status != NULL)
+        return status;
     return out_of_memory ? error(op, "out of memory for the attention scratch") : NULL;
 }
 

@@ -44,6 +44,10 @@ typedef struct {
     float scale, softcap;
     int64_t sliding_window;
     int64_t rows_per_task;
+    /* Key chunks per decode row (llmc_attention_splits) and, when above 1, the chunks' partial
+     * results, llmc_attention_partial_floats of them, merged by llmc_attention_combine. */
+    int64_t splits;
+    float *partial;
     int *out_of_memory; /* set by a task that could not allocate its scratch */
 } llmc_attention;
 
@@ -54,9 +58,14 @@ int64_t llmc_attention_tile_bytes(const llmc_attention *a);
 const char *llmc_attention_check(const llmc_attention *a);
 /* Writes every valid token's (rotated) K and V into its block. Run before any attend task. */
 void llmc_attention_write(const llmc_attention *a);
-/* Number of independent attend tasks, and one task: (row, query head, tile of query rows). */
+/* Set rows_per_task, then splits = llmc_attention_splits(a) (and partial, when splits > 1). */
+int64_t llmc_attention_splits(const llmc_attention *a);
+int64_t llmc_attention_partial_floats(const llmc_attention *a);
+/* Number of independent attend tasks, and one task: (row, query heads, tile of query rows, key
+ * chunk). With splits > 1, llmc_attention_combine writes the output once every task has run. */
 int64_t llmc_attention_tasks(const llmc_attention *a);
 void llmc_attention_task(const llmc_attention *a, int64_t task);
+void llmc_attention_combine(const llmc_attention *a);
 
 /* out[r, i] = silu(x[r, i]) * x[r, width + i] for rows [row0, row1): x is [rows, 2 * width]. */
 void llmc_swiglu_rows(const float *x, float *out, int64_t width, int64_t row0, int64_t row1);

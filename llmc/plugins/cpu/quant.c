@@ -66,7 +66,7 @@ void llmc_qact_init(llmc_qact *a, void *scratch, int64_t m, int64_t k, int64_t b
 }
 
 LLMC_CLONES
-void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_t row1) {
+static void quantize_rows_plain(const llmc_qact *a, const float *x, int64_t row0, int64_t row1) {
     const int64_t k = a->k, B = a->block;
     for (int64_t r = row0; r < row1; r++)
         for (int64_t b = 0; b < k / B; b++) {
@@ -313,6 +313,54 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
             _mm256_storeu_ps(out + r * out_stride + 8 * j, acc[r][j]);
 }
 
+/* quantize_rows_plain's arithmetic, in registers: every op's serial path runs it before the GEMM,
+ * and compiled from C its per-32 sums went through the stack (a store-forwarding stall each).
+ * Same results: max skips a NaN (maxps returns its second operand), roundps rounds half to even as
+ * nearbyintf, and each sum adds the clamped integers exactly in float. */
+static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t row0, int64_t row1) {
+    const int64_t k = a->k, B = a->block;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes packs' lane interleave */
+    for (int64_t r = row0; r < row1; r++)
+        for (int64_t b = 0; b < k / B; b++) {
+            const float *xb = x + r * k + b * B;
+            int8_t *q = a->q + r * k + b * B;
+            float *sums = a->sum + r * (k / SUB) + b * (B / SUB);
+            __m256 peak = _mm256_setzero_ps();
+            for (int64_t i = 0; i < B; i += 8)
+                peak = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + i), magnitude), peak);
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            float sx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.0f;
+            if (!(sx > 0.0f) || !isfinite(sx)) { /* a zero (or non-finite) block contributes 0 */
+                a->scale[r * (k / B) + b] = 0.0f;
+                memset(q, 0, (size_t)B);
+                for (int64_t s = 0; s < B / SUB; s++)
+                    sums[s] = 0.0f;
+                continue;
+            }
+            a->scale[r * (k / B) + b] = sx;
+            const __m256 inv = _mm256_set1_ps(1.0f / sx);
+            for (int64_t s = 0; s < B; s += SUB) {
+                __m256 v[4];
+                for (int j = 0; j < 4; j++)
+                    v[j] = _mm256_max_ps(_mm256_min_ps(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + s + 8 * j), inv),
+                                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                                       hi),
+                                         lo);
+                __m256 t = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+                __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+                t4 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+                sums[s / SUB] = _mm_cvtss_f32(_mm_add_ss(t4, _mm_movehdup_ps(t4)));
+                __m256i w01 = _mm256_packs_epi32(_mm256_cvtps_epi32(v[0]), _mm256_cvtps_epi32(v[1]));
+                __m256i w23 = _mm256_packs_epi32(_mm256_cvtps_epi32(v[2]), _mm256_cvtps_epi32(v[3]));
+                __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order);
+                _mm256_storeu_si256((__m256i *)(q + s), bytes);
+            }
+        }
+}
+
 /* One format's panels [p0, p1): the tile specialized per (rows, format) at compile time. */
 #define QUANT_PANELS(NAME, BITS, ZP)                                                                      \
     static AVX2 void NAME(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int64_t p0, int64_t p1) { \
@@ -413,6 +461,16 @@ static int llmc_avx2(void) { return 0; }
 #endif
 
 /* -- entry points ------------------------------------------------------------------------------ */
+
+void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_t row1) {
+#if HAVE_AVX2_PATH
+    if (llmc_avx2()) {
+        quantize_rows_avx2(a, x, row0, row1);
+        return;
+    }
+#endif
+    quantize_rows_plain(a, x, row0, row1);
+}
 
 void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int bits, int zero_points,
                        int64_t p0, int64_t p1) {
