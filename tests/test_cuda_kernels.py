@@ -532,22 +532,21 @@ def test_large_gqa_group(lib, gpu):
 ROPE_DIMS = [(128, 128), (128, 64), (64, 64), (64, 32), (128, 20)]
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
-@pytest.mark.parametrize(("head_dim", "rotary_dim"), ROPE_DIMS)
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_rope_decode(lib, gpu, dtype, head_dim, rotary_dim, interleaved):
-    # Ragged decode rows (one split across the context, one padding) with GQA 4.
-    check_case(lib, gpu, Case(past_lens=[1000, 17, 0, 5], query_lens=[1, 1, 1, 0], seq=1, heads=8, kv_heads=2,
-                              head_dim=head_dim, dtype=dtype, rotary_dim=rotary_dim, interleaved=interleaved))
+# Ragged decode rows (one split across the context, one padding) with GQA 4; a prefill chunk after
+# a cached prefix, a first chunk, a decode row and a padding row.
+ROPE_STEPS = {
+    "decode": dict(past_lens=[1000, 17, 0, 5], query_lens=[1, 1, 1, 0], seq=1, heads=8, kv_heads=2),
+    "prefill": dict(past_lens=[300, 0, 40, 7], query_lens=[70, 33, 1, 0], seq=70, heads=6, kv_heads=2),
+}
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
 @pytest.mark.parametrize(("head_dim", "rotary_dim"), ROPE_DIMS)
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_rope_prefill(lib, gpu, dtype, head_dim, rotary_dim, interleaved):
-    # A chunk after a cached prefix, a first chunk, a decode row and a padding row.
-    check_case(lib, gpu, Case(past_lens=[300, 0, 40, 7], query_lens=[70, 33, 1, 0], seq=70, heads=6, kv_heads=2,
-                              head_dim=head_dim, dtype=dtype, rotary_dim=rotary_dim, interleaved=interleaved))
+@pytest.mark.parametrize("step", ROPE_STEPS.values(), ids=ROPE_STEPS.keys())
+def test_rope(lib, gpu, step, dtype, head_dim, rotary_dim, interleaved):
+    check_case(lib, gpu, Case(**step, head_dim=head_dim, dtype=dtype, rotary_dim=rotary_dim,
+                              interleaved=interleaved))
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
