@@ -522,10 +522,10 @@ static inline __attribute__((always_inline)) void weigh_values_avx2(float *restr
 
 /* A (block, KV head)'s key tile and value tile, one plane apart, fetched ahead of use: a row's
  * blocks lie anywhere in the pool, so no hardware prefetcher can guess the next one. */
-static inline void prefetch_tiles(const float *key_tile, int64_t plane, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) {
-        PREFETCH(key_tile + i);
-        PREFETCH(key_tile + plane + i);
+static inline void prefetch_tiles(const void *key_tile, int64_t plane_bytes, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) {
+        PREFETCH((const char *)key_tile + i);
+        PREFETCH((const char *)key_tile + plane_bytes + i);
     }
 }
 
@@ -753,13 +753,14 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
         int spread = bs == 16 && d % 16 == 0 && d <= 128;
         int64_t tile_floats = bs * d, run = kv_count * tile_floats;  /* the task's tiles of a block */
 #define TILE(t) ((const float *)a->cache + ((int64_t)table[(t) / bs] * hkv + kvh) * tile_floats)
-        int64_t start = first - first % bs, ahead = LLMC_TASK_AHEAD_BYTES / (2 * run * (int64_t)sizeof(float));
+        int64_t run_bytes = run * (int64_t)sizeof(float), plane_bytes = plane * (int64_t)sizeof(float);
+        int64_t start = first - first % bs, ahead = LLMC_TASK_AHEAD_BYTES / (2 * run_bytes);
         for (int64_t t = start; t <= last && t <= start + ahead * bs; t += bs)  /* as the converted path */
-            prefetch_tiles(TILE(t), plane, run);
+            prefetch_tiles(TILE(t), plane_bytes, run_bytes);
         for (int64_t t0 = start; t0 <= last; t0 += bs) {
             const float *kt = TILE(t0), *next = t0 + bs <= last ? TILE(t0 + bs) : kt;
             if (!spread && next != kt)
-                prefetch_tiles(next, plane, run);
+                prefetch_tiles(next, plane_bytes, run_bytes);
             int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;  /* keys any row of the tile sees */
             for (int64_t g = 0; g < kv_count; g++)
                 SCORE_ROWS(q + g * kv_rows * d, kt + g * tile_floats, s + g * kv_rows * bs, kv_rows, d, bs,
@@ -784,10 +785,7 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
          * latency behind, so it fetches wide first (docs/attention_cpu.md, "Split decode"). */
         int64_t start = first - first % bs, ahead = LLMC_TASK_AHEAD_BYTES / (2 * kv_count * tile_bytes);
         for (int64_t t = start; t <= last && t <= start + ahead * bs; t += bs)
-            for (int64_t i = 0; i < kv_count * tile_bytes; i += 64) {
-                PREFETCH(TILE(t) + i);
-                PREFETCH(TILE(t) + plane + i);
-            }
+            prefetch_tiles(TILE(t), plane, kv_count * tile_bytes);
         for (int64_t t0 = start; t0 <= last; t0 += bs) {
             const char *kt = TILE(t0), *next = t0 + bs <= last ? TILE(t0 + bs) : kt;
             int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;
