@@ -520,6 +520,121 @@ static inline __attribute__((always_inline)) void weigh_values_avx2(float *restr
     }
 }
 
+#ifdef LLMC_X86
+/* An fp16 pool's tiles read in place by task_avx2: scores16_avx2 and weigh_values_avx2 with each
+ * key or value vector converted in registers (F16C) as it is loaded, instead of the tile widened
+ * into a float copy first (a store and a reload of every element). Same products in the same
+ * order, so the same results. Not inlined into attend: its other instances are built without F16C.
+ * The `next` tile is prefetched a line per line read, as widen_avx2 does. */
+#define F16C_TARGET __attribute__((target("avx2,fma,f16c")))
+
+static inline __attribute__((always_inline)) F16C_TARGET v8 half8(const uint16_t *p) {
+    return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline __attribute__((always_inline)) F16C_TARGET void scores16_f16(const float *restrict q,
+                                                                          const uint16_t *restrict kt,
+                                                                          float *restrict s, const int64_t d,
+                                                                          const int R, const int P,
+                                                                          const char *next) {
+    v8 acc[6][4][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < P; c++)
+            acc[r][c][0] = acc[r][c][1] = (v8){0};
+    for (int64_t i = 0; i < d; i += P)
+        for (int c = 0; c < P; c++) {
+            v8 k0 = half8(kt + (i + c) * 16), k1 = half8(kt + (i + c) * 16 + 8);
+            if ((i + c) % 2 == 0)  /* a line holds two 16-key rows */
+                PREFETCH(next + (i + c) * 32);
+            for (int r = 0; r < R; r++) {
+                float qv = q[r * d + i + c];
+                acc[r][c][0] += qv * k0;
+                acc[r][c][1] += qv * k1;
+            }
+        }
+    for (int r = 0; r < R; r++) {
+        v8 s0 = acc[r][0][0], s1 = acc[r][0][1];
+        for (int c = 1; c < P; c++)
+            s0 += acc[r][c][0], s1 += acc[r][c][1];
+        V8STORE(s + r * 16, s0);
+        V8STORE(s + r * 16 + 8, s1);
+    }
+}
+
+static inline __attribute__((always_inline)) F16C_TARGET void weigh_values_f16(
+    float *restrict acc, const float *restrict w, int64_t w_stride, const uint16_t *restrict vb, int64_t n,
+    const int64_t d, const int R, const int C, const char *next) {
+    for (int64_t col = 0; col < d; col += 8 * C) {
+        v8 a[3][8];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < C; v++)
+                a[r][v] = V8LOAD(acc + r * d + col + v * 8);
+        for (int64_t kk = 0; kk < n; kk++) {
+            const uint16_t *val = vb + kk * d + col;
+            for (int v = 0; v < C; v += 4)  /* 4 vectors of halves: a line */
+                PREFETCH(next + 2 * (kk * d + col + v * 8));
+            float wr[3];
+            for (int r = 0; r < R; r++)
+                wr[r] = w[r * w_stride + kk];
+            for (int v = 0; v < C; v++) {
+                v8 x = half8(val + v * 8);
+                for (int r = 0; r < R; r++)
+                    a[r][v] += wr[r] * x;
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < C; v++)
+                V8STORE(acc + r * d + col + v * 8, a[r][v]);
+    }
+}
+
+/* score_rows_avx2 and weigh_rows_avx2's groupings, for 16-key tiles and d a multiple of 32. */
+static F16C_TARGET void score_rows_f16(const float *restrict q, const uint16_t *restrict kt, float *restrict s,
+                                       int64_t rows, const int64_t d, const char *next) {
+    int64_t r = 0;
+    for (; r + 6 <= rows; r += 6)
+        scores16_f16(q + r * d, kt, s + r * 16, d, 6, 1, next);
+    if (rows - r >= 3)
+        scores16_f16(q + r * d, kt, s + r * 16, d, 3, 2, next), r += 3;
+    if (rows - r == 2)
+        scores16_f16(q + r * d, kt, s + r * 16, d, 2, 2, next);
+    else if (rows - r == 1)
+        scores16_f16(q + r * d, kt, s + r * 16, d, 1, 4, next);
+}
+
+static F16C_TARGET void weigh_rows_f16(float *restrict acc, const float *restrict w, const uint16_t *restrict vb,
+                                       int64_t rows, int64_t n, const int64_t d, const char *next) {
+    int64_t r = 0;
+    for (; r + 3 <= rows; r += 3)
+        weigh_values_f16(acc + r * d, w + r * 16, 16, vb, n, d, 3, 4, next);
+    if (rows - r == 2)
+        weigh_values_f16(acc + r * d, w + r * 16, 16, vb, n, d, 2, 4, next);
+    else if (rows - r == 1)
+        weigh_values_f16(acc + r * d, w + r * 16, 16, vb, n, d, 1, d % 64 == 0 ? 8 : 4, next);
+}
+
+/* The two at a constant head_dim (the loops unroll), else at d's value. */
+static F16C_TARGET void score_f16(const float *q, const uint16_t *kt, float *s, int64_t rows, int64_t d,
+                                  const char *next) {
+    if (d == 64)
+        score_rows_f16(q, kt, s, rows, 64, next);
+    else if (d == 128)
+        score_rows_f16(q, kt, s, rows, 128, next);
+    else
+        score_rows_f16(q, kt, s, rows, d, next);
+}
+
+static F16C_TARGET void weigh_f16(float *acc, const float *w, const uint16_t *vb, int64_t rows, int64_t n, int64_t d,
+                                  const char *next) {
+    if (d == 64)
+        weigh_rows_f16(acc, w, vb, rows, n, 64, next);
+    else if (d == 128)
+        weigh_rows_f16(acc, w, vb, rows, n, 128, next);
+    else
+        weigh_rows_f16(acc, w, vb, rows, n, d, next);
+}
+#endif
+
 /* A (block, KV head)'s key tile and value tile, one plane apart, fetched ahead of use: a row's
  * blocks lie anywhere in the pool, so no hardware prefetcher can guess the next one. */
 static inline void prefetch_tiles(const void *key_tile, int64_t plane_bytes, int64_t bytes) {
@@ -634,6 +749,33 @@ static inline __attribute__((always_inline)) void weigh_rows_avx2(float *restric
     }
 }
 
+/* The max and the sum of a 16-key row s[0, 16), in registers: a reduction the compiler vectorizes
+ * goes through a stack copy reloaded a float at a time (a store-forwarding stall per row and
+ * block). Pointers in, not vectors: a vector argument's ABI differs between the clones. */
+typedef int32_t v8i __attribute__((vector_size(32)));
+#define MAX8(x, y) ((v8)(((v8i)(x) & ((x) > (y))) | ((v8i)(y) & ~((x) > (y)))))
+#define SWAP8(x, a, b, c, d, e, f, g, h) __builtin_shufflevector(x, x, a, b, c, d, e, f, g, h)
+
+static inline __attribute__((always_inline)) float max16(const float *s) {
+    v8 x = V8LOAD(s), y = V8LOAD(s + 8);
+    x = MAX8(x, y);
+    y = SWAP8(x, 4, 5, 6, 7, 0, 1, 2, 3);
+    x = MAX8(x, y);
+    y = SWAP8(x, 2, 3, 0, 1, 6, 7, 4, 5);
+    x = MAX8(x, y);
+    y = SWAP8(x, 1, 0, 3, 2, 5, 4, 7, 6);
+    x = MAX8(x, y);
+    return x[0];
+}
+
+static inline __attribute__((always_inline)) float sum16(const float *s) {
+    v8 x = V8LOAD(s) + V8LOAD(s + 8);
+    x += SWAP8(x, 4, 5, 6, 7, 0, 1, 2, 3);
+    x += SWAP8(x, 2, 3, 0, 1, 6, 7, 4, 5);
+    x += SWAP8(x, 1, 0, 3, 2, 5, 4, 7, 6);
+    return x[0];
+}
+
 /* The online softmax over one block for every row: s[r, :n] (the block's scores) become the
  * row's weights, and its running max m, sum l and accumulator acc are rescaled to match. */
 static inline __attribute__((always_inline)) void softmax_block(const llmc_attention *a, float *restrict s,
@@ -649,6 +791,21 @@ static inline __attribute__((always_inline)) void softmax_block(const llmc_atten
         if (k1 <= k0) {
             for (int64_t kk = 0; kk < n; kk++)
                 sr[kk] = 0.0f;
+            continue;
+        }
+        if (bs == 16 && k0 == 0 && k1 == 16 && a->softcap <= 0.0f) {  /* a whole block, held in two vectors */
+            float best = max16(sr);
+            best = best > m[r] ? best : m[r];
+            float correction = exp_f(m[r] - best);
+            m[r] = best;
+#pragma omp simd
+            for (int64_t kk = 0; kk < 16; kk++)
+                sr[kk] = exp_f(sr[kk] - best);
+            l[r] = l[r] * correction + sum16(sr);
+            float *restrict ar = acc + r * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++)
+                ar[i] *= correction;
             continue;
         }
         float best = m[r];
@@ -777,6 +934,9 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
         float *restrict wide = (float *)(((uintptr_t)(s + rows * bs) + 63) & ~(uintptr_t)63);
         float *restrict scales = wide + bs * d;
         int type = a->kv_type, int8 = type == LLMC_KV_INT8;
+        /* task_avx2 reads a 16-key fp16 tile in place (score_f16, weigh_f16) */
+        int in_place = avx2 && type == LLMC_KV_FP16 && bs == 16 && d % 32 == 0;
+        (void)in_place;
         int64_t tile_bytes = llmc_attention_tile_bytes(a), plane = a->num_blocks * hkv * tile_bytes;
         int64_t values = bs * d;  /* a tile's elements; int8 scales follow them */
 #define TILE(t) ((const char *)a->cache + ((int64_t)table[(t) / bs] * hkv + kvh) * tile_bytes)
@@ -791,6 +951,13 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
             int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;
             for (int64_t g = 0; g < kv_count; g++) {
                 const char *keys = kt + g * tile_bytes;
+#ifdef LLMC_X86
+                if (in_place) {
+                    score_f16(q + g * kv_rows * d, (const uint16_t *)keys, s + g * kv_rows * bs, kv_rows, d,
+                              next + g * tile_bytes);
+                    continue;
+                }
+#endif
                 widen(type, keys, wide, values, next + g * tile_bytes, tile_bytes);
                 SCORE_ROWS(q + g * kv_rows * d, wide, s + g * kv_rows * bs, kv_rows, d, bs, wide);
                 if (int8)  /* q . k = (q . k_int) * k_scale, per key column */
@@ -799,6 +966,13 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
             softmax_block(a, s, m, l, acc, rows, nq, past + j0, t0, n, d, bs);
             for (int64_t g = 0; g < kv_count; g++) {
                 const char *vals = kt + plane + g * tile_bytes;
+#ifdef LLMC_X86
+                if (in_place) {
+                    weigh_f16(acc + g * kv_rows * d, s + g * kv_rows * bs, (const uint16_t *)vals, kv_rows, n, d,
+                              next + plane + g * tile_bytes);
+                    continue;
+                }
+#endif
                 widen(type, vals, wide, n * d, next + plane + g * tile_bytes, tile_bytes);
                 if (int8)  /* w . v = (w * v_scale) . v_int, per token */
                     scale_columns(s + g * kv_rows * bs, kv_rows, bs, vals + values, scales);
