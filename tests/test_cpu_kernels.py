@@ -91,7 +91,7 @@ CASES = {
     "decode-split-window-softcap": dict(seq=1, past=(200, 150), qlen=(1, 1), heads=6, kv_heads=2, head_dim=64,
                                         block=16, window=150, softcap=2.0),
     # A KV head's group of 2 query heads, and of 1 at head_dim 128: the other row groupings of the
-    # AVX2 loops that read a 16-bit pool in place.
+    # AVX2 loops that read a converted (16-bit or int8) pool in place.
     "decode-head-pairs": dict(seq=1, past=(45, 18), qlen=(1, 1), heads=4, kv_heads=2, head_dim=64, block=16),
     "decode-mha-head-dim-128": dict(seq=1, past=(33,), qlen=(1,), heads=2, kv_heads=2, head_dim=128, block=16),
     # With 8 or more (row, query tile) pairs a task reads every KV head of its row.

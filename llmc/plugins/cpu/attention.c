@@ -521,31 +521,39 @@ static inline __attribute__((always_inline)) void weigh_values_avx2(float *restr
 }
 
 #ifdef LLMC_X86
-/* An fp16 pool's tiles read in place by task_avx2: scores16_avx2 and weigh_values_avx2 with each
- * key or value vector converted in registers (F16C) as it is loaded, instead of the tile widened
- * into a float copy first (a store and a reload of every element). Same products in the same
- * order, so the same results. Not inlined into attend: its other instances are built without F16C.
- * The `next` tile is prefetched a line per line read, as widen_avx2 does. */
-#define F16C_TARGET __attribute__((target("avx2,fma,f16c")))
+/* A converted pool's tiles read in place by task_avx2: scores16_avx2 and weigh_values_avx2 with
+ * each key or value vector converted in registers as it is loaded (F16C for fp16, a shift for
+ * bf16, a sign extension for int8), instead of the tile widened into a float copy first (a store
+ * and a reload of every element). Same products in the same order, so the same results. Not
+ * inlined into attend: its other instances are built without AVX2. The `next` tile is prefetched
+ * a line per line read, as widen_avx2 does. */
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-static inline __attribute__((always_inline)) F16C_TARGET v8 half8(const uint16_t *p) {
-    return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+/* 8 elements from element i of a tile of `type`, as floats (int8: the integers). */
+static inline __attribute__((always_inline)) AVX2_TARGET v8 lanes8(const char *tile, int64_t i, const int type) {
+    if (type == LLMC_KV_INT8)
+        return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + i))));
+    __m128i h = _mm_loadu_si128((const __m128i *)(tile + 2 * i));
+    if (type == LLMC_KV_FP16)
+        return (v8)_mm256_cvtph_ps(h);
+    return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-static inline __attribute__((always_inline)) F16C_TARGET void scores16_f16(const float *restrict q,
-                                                                          const uint16_t *restrict kt,
-                                                                          float *restrict s, const int64_t d,
-                                                                          const int R, const int P,
-                                                                          const char *next) {
+static inline __attribute__((always_inline)) AVX2_TARGET void scores16_in_place(const float *restrict q,
+                                                                               const char *restrict kt,
+                                                                               float *restrict s, const int64_t d,
+                                                                               const int R, const int P,
+                                                                               const int type, const char *next) {
+    const int64_t row_bytes = type == LLMC_KV_INT8 ? 16 : 32;  /* a 16-key row of the tile */
     v8 acc[6][4][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < P; c++)
             acc[r][c][0] = acc[r][c][1] = (v8){0};
     for (int64_t i = 0; i < d; i += P)
         for (int c = 0; c < P; c++) {
-            v8 k0 = half8(kt + (i + c) * 16), k1 = half8(kt + (i + c) * 16 + 8);
-            if ((i + c) % 2 == 0)  /* a line holds two 16-key rows */
-                PREFETCH(next + (i + c) * 32);
+            v8 k0 = lanes8(kt, (i + c) * 16, type), k1 = lanes8(kt, (i + c) * 16 + 8, type);
+            if ((i + c) * row_bytes % 64 == 0)
+                PREFETCH(next + (i + c) * row_bytes);
             for (int r = 0; r < R; r++) {
                 float qv = q[r * d + i + c];
                 acc[r][c][0] += qv * k0;
@@ -561,23 +569,24 @@ static inline __attribute__((always_inline)) F16C_TARGET void scores16_f16(const
     }
 }
 
-static inline __attribute__((always_inline)) F16C_TARGET void weigh_values_f16(
-    float *restrict acc, const float *restrict w, int64_t w_stride, const uint16_t *restrict vb, int64_t n,
-    const int64_t d, const int R, const int C, const char *next) {
+static inline __attribute__((always_inline)) AVX2_TARGET void weigh_values_in_place(
+    float *restrict acc, const float *restrict w, int64_t w_stride, const char *restrict vb, int64_t n,
+    const int64_t d, const int R, const int C, const int type, const char *next) {
+    const int64_t size = type == LLMC_KV_INT8 ? 1 : 2;
     for (int64_t col = 0; col < d; col += 8 * C) {
         v8 a[3][8];
         for (int r = 0; r < R; r++)
             for (int v = 0; v < C; v++)
                 a[r][v] = V8LOAD(acc + r * d + col + v * 8);
         for (int64_t kk = 0; kk < n; kk++) {
-            const uint16_t *val = vb + kk * d + col;
-            for (int v = 0; v < C; v += 4)  /* 4 vectors of halves: a line */
-                PREFETCH(next + 2 * (kk * d + col + v * 8));
+            for (int v = 0; v < C; v++)
+                if ((col + v * 8) * size % 64 == 0)
+                    PREFETCH(next + (kk * d + col + v * 8) * size);
             float wr[3];
             for (int r = 0; r < R; r++)
                 wr[r] = w[r * w_stride + kk];
             for (int v = 0; v < C; v++) {
-                v8 x = half8(val + v * 8);
+                v8 x = lanes8(vb, kk * d + col + v * 8, type);
                 for (int r = 0; r < R; r++)
                     a[r][v] += wr[r] * x;
             }
@@ -589,49 +598,68 @@ static inline __attribute__((always_inline)) F16C_TARGET void weigh_values_f16(
 }
 
 /* score_rows_avx2 and weigh_rows_avx2's groupings, for 16-key tiles and d a multiple of 32. */
-static F16C_TARGET void score_rows_f16(const float *restrict q, const uint16_t *restrict kt, float *restrict s,
-                                       int64_t rows, const int64_t d, const char *next) {
+static inline __attribute__((always_inline)) AVX2_TARGET void score_rows_in_place(
+    const float *restrict q, const char *restrict kt, float *restrict s, int64_t rows, const int64_t d,
+    const int type, const char *next) {
+    if (type == LLMC_KV_INT8)  /* the tile's scales, after its 16 * d values */
+        PREFETCH(next + 16 * d);
     int64_t r = 0;
     for (; r + 6 <= rows; r += 6)
-        scores16_f16(q + r * d, kt, s + r * 16, d, 6, 1, next);
+        scores16_in_place(q + r * d, kt, s + r * 16, d, 6, 1, type, next);
     if (rows - r >= 3)
-        scores16_f16(q + r * d, kt, s + r * 16, d, 3, 2, next), r += 3;
+        scores16_in_place(q + r * d, kt, s + r * 16, d, 3, 2, type, next), r += 3;
     if (rows - r == 2)
-        scores16_f16(q + r * d, kt, s + r * 16, d, 2, 2, next);
+        scores16_in_place(q + r * d, kt, s + r * 16, d, 2, 2, type, next);
     else if (rows - r == 1)
-        scores16_f16(q + r * d, kt, s + r * 16, d, 1, 4, next);
+        scores16_in_place(q + r * d, kt, s + r * 16, d, 1, 4, type, next);
 }
 
-static F16C_TARGET void weigh_rows_f16(float *restrict acc, const float *restrict w, const uint16_t *restrict vb,
-                                       int64_t rows, int64_t n, const int64_t d, const char *next) {
+static inline __attribute__((always_inline)) AVX2_TARGET void weigh_rows_in_place(
+    float *restrict acc, const float *restrict w, const char *restrict vb, int64_t rows, int64_t n,
+    const int64_t d, const int type, const char *next) {
+    if (type == LLMC_KV_INT8)
+        PREFETCH(next + 16 * d);
     int64_t r = 0;
     for (; r + 3 <= rows; r += 3)
-        weigh_values_f16(acc + r * d, w + r * 16, 16, vb, n, d, 3, 4, next);
+        weigh_values_in_place(acc + r * d, w + r * 16, 16, vb, n, d, 3, 4, type, next);
     if (rows - r == 2)
-        weigh_values_f16(acc + r * d, w + r * 16, 16, vb, n, d, 2, 4, next);
+        weigh_values_in_place(acc + r * d, w + r * 16, 16, vb, n, d, 2, 4, type, next);
     else if (rows - r == 1)
-        weigh_values_f16(acc + r * d, w + r * 16, 16, vb, n, d, 1, d % 64 == 0 ? 8 : 4, next);
+        weigh_values_in_place(acc + r * d, w + r * 16, 16, vb, n, d, 1, d % 64 == 0 ? 8 : 4, type, next);
 }
 
-/* The two at a constant head_dim (the loops unroll), else at d's value. */
-static F16C_TARGET void score_f16(const float *q, const uint16_t *kt, float *s, int64_t rows, int64_t d,
-                                  const char *next) {
-    if (d == 64)
-        score_rows_f16(q, kt, s, rows, 64, next);
-    else if (d == 128)
-        score_rows_f16(q, kt, s, rows, 128, next);
-    else
-        score_rows_f16(q, kt, s, rows, d, next);
+/* The two per pool type, at a constant head_dim where it is a common one (the loops unroll). */
+#define IN_PLACE_SHAPES(call, type)  \
+    do {                             \
+        if (d == 64)                 \
+            call(64, type);          \
+        else if (d == 128)           \
+            call(128, type);         \
+        else                         \
+            call(d, type);           \
+    } while (0)
+#define IN_PLACE_TYPES(call)                                                                    \
+    do {                                                                                        \
+        if (type == LLMC_KV_FP16)                                                               \
+            IN_PLACE_SHAPES(call, LLMC_KV_FP16);                                                \
+        else if (type == LLMC_KV_BF16)                                                          \
+            IN_PLACE_SHAPES(call, LLMC_KV_BF16);                                                \
+        else                                                                                    \
+            IN_PLACE_SHAPES(call, LLMC_KV_INT8);                                                \
+    } while (0)
+
+static AVX2_TARGET void score_in_place(int type, const float *q, const char *kt, float *s, int64_t rows, int64_t d,
+                                       const char *next) {
+#define SCORE(D, T) score_rows_in_place(q, kt, s, rows, D, T, next)
+    IN_PLACE_TYPES(SCORE);
+#undef SCORE
 }
 
-static F16C_TARGET void weigh_f16(float *acc, const float *w, const uint16_t *vb, int64_t rows, int64_t n, int64_t d,
-                                  const char *next) {
-    if (d == 64)
-        weigh_rows_f16(acc, w, vb, rows, n, 64, next);
-    else if (d == 128)
-        weigh_rows_f16(acc, w, vb, rows, n, 128, next);
-    else
-        weigh_rows_f16(acc, w, vb, rows, n, d, next);
+static AVX2_TARGET void weigh_in_place(int type, float *acc, const float *w, const char *vb, int64_t rows, int64_t n,
+                                       int64_t d, const char *next) {
+#define WEIGH(D, T) weigh_rows_in_place(acc, w, vb, rows, n, D, T, next)
+    IN_PLACE_TYPES(WEIGH);
+#undef WEIGH
 }
 #endif
 
@@ -934,9 +962,12 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
         float *restrict wide = (float *)(((uintptr_t)(s + rows * bs) + 63) & ~(uintptr_t)63);
         float *restrict scales = wide + bs * d;
         int type = a->kv_type, int8 = type == LLMC_KV_INT8;
-        /* task_avx2 reads a 16-key fp16 tile in place (score_f16, weigh_f16) */
-        int in_place = avx2 && type == LLMC_KV_FP16 && bs == 16 && d % 32 == 0;
-        (void)in_place;
+        /* task_avx2 reads 16-key tiles in place (score_in_place, weigh_in_place) */
+#ifdef LLMC_X86
+        int in_place = avx2 && bs == 16 && d % 32 == 0;
+#else
+        int in_place = 0;
+#endif
         int64_t tile_bytes = llmc_attention_tile_bytes(a), plane = a->num_blocks * hkv * tile_bytes;
         int64_t values = bs * d;  /* a tile's elements; int8 scales follow them */
 #define TILE(t) ((const char *)a->cache + ((int64_t)table[(t) / bs] * hkv + kvh) * tile_bytes)
@@ -951,32 +982,33 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
             int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;
             for (int64_t g = 0; g < kv_count; g++) {
                 const char *keys = kt + g * tile_bytes;
+                float *sg = s + g * kv_rows * bs;
 #ifdef LLMC_X86
-                if (in_place) {
-                    score_f16(q + g * kv_rows * d, (const uint16_t *)keys, s + g * kv_rows * bs, kv_rows, d,
-                              next + g * tile_bytes);
-                    continue;
-                }
+                if (in_place)
+                    score_in_place(type, q + g * kv_rows * d, keys, sg, kv_rows, d, next + g * tile_bytes);
 #endif
-                widen(type, keys, wide, values, next + g * tile_bytes, tile_bytes);
-                SCORE_ROWS(q + g * kv_rows * d, wide, s + g * kv_rows * bs, kv_rows, d, bs, wide);
+                if (!in_place) {
+                    widen(type, keys, wide, values, next + g * tile_bytes, tile_bytes);
+                    SCORE_ROWS(q + g * kv_rows * d, wide, sg, kv_rows, d, bs, wide);
+                }
                 if (int8)  /* q . k = (q . k_int) * k_scale, per key column */
-                    scale_columns(s + g * kv_rows * bs, kv_rows, bs, keys + values, scales);
+                    scale_columns(sg, kv_rows, bs, keys + values, scales);
             }
             softmax_block(a, s, m, l, acc, rows, nq, past + j0, t0, n, d, bs);
             for (int64_t g = 0; g < kv_count; g++) {
                 const char *vals = kt + plane + g * tile_bytes;
-#ifdef LLMC_X86
-                if (in_place) {
-                    weigh_f16(acc + g * kv_rows * d, s + g * kv_rows * bs, (const uint16_t *)vals, kv_rows, n, d,
-                              next + plane + g * tile_bytes);
-                    continue;
-                }
-#endif
-                widen(type, vals, wide, n * d, next + plane + g * tile_bytes, tile_bytes);
+                float *sg = s + g * kv_rows * bs;
+                if (!in_place)
+                    widen(type, vals, wide, n * d, next + plane + g * tile_bytes, tile_bytes);
                 if (int8)  /* w . v = (w * v_scale) . v_int, per token */
-                    scale_columns(s + g * kv_rows * bs, kv_rows, bs, vals + values, scales);
-                WEIGH_ROWS(acc + g * kv_rows * d, s + g * kv_rows * bs, wide, kv_rows, n, d, bs, wide);
+                    scale_columns(sg, kv_rows, bs, vals + values, scales);
+#ifdef LLMC_X86
+                if (in_place)
+                    weigh_in_place(type, acc + g * kv_rows * d, sg, vals, kv_rows, n, d,
+                                   next + plane + g * tile_bytes);
+#endif
+                if (!in_place)
+                    WEIGH_ROWS(acc + g * kv_rows * d, sg, wide, kv_rows, n, d, bs, wide);
             }
         }
 #undef TILE
