@@ -453,84 +453,30 @@ static inline __attribute__((always_inline)) void weigh_values(float *restrict a
 
 /* -- AVX2 without AVX-512: 16 ymm registers ---------------------------------------------------
  * scores16 and weigh_values hold their accumulators in v16 (one zmm each); built for AVX2 (the
- * x86-64-v3 clone) GCC lowers each v16 through the stack, a store and reload per FMA. These two
- * are the same loops over 8-float vectors with at most 12 accumulators, so they stay in the 16 ymm
- * registers (docs/attention_cpu.md). Plain vector-extension code, no target attribute: attend()
- * uses them only inside task_avx2, which is built for AVX2 + FMA. */
+ * x86-64-v3 clone) GCC lowers each v16 through the stack, a store and reload per FMA. task_avx2
+ * runs the same loops over 8-float vectors with at most 12 accumulators, so they stay in the 16
+ * ymm registers (docs/attention_cpu.md), and reads every pool type's tiles in place: each key or
+ * value vector converted in registers as it is loaded (F16C for fp16, a shift for bf16, a sign
+ * extension for int8), where widening a tile into a float copy first stored and reloaded every
+ * element. Same products in the same order as the widened path, so the same results. Built for
+ * AVX2 and not inlined into attend, whose other instances are built without it. The `next` tile
+ * is prefetched a line per line read. */
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 #define V8LOAD(p) (*(const v8u *)(p))
 #define V8STORE(p, v) (*(v8u *)(p) = (v))
 
-/* scores16 with R <= 6 rows and 2 * R * P <= 12 ymm accumulators (a 16-key row is two vectors). */
-static inline __attribute__((always_inline)) void scores16_avx2(const float *restrict q, const float *restrict kt,
-                                                                float *restrict s, const int64_t d, const int R,
-                                                                const int P, const float *next) {
-    v8 acc[6][4][2]; /* fixed sizes: GCC keeps variable-length arrays in memory */
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < P; c++)
-            acc[r][c][0] = acc[r][c][1] = (v8){0};
-    for (int64_t i = 0; i < d; i += P)
-        for (int c = 0; c < P; c++) {
-            v8 k0 = V8LOAD(kt + (i + c) * 16), k1 = V8LOAD(kt + (i + c) * 16 + 8);
-            PREFETCH(next + (i + c) * 16);
-            for (int r = 0; r < R; r++) {
-                float qv = q[r * d + i + c];
-                acc[r][c][0] += qv * k0;
-                acc[r][c][1] += qv * k1;
-            }
-        }
-    for (int r = 0; r < R; r++) {
-        v8 s0 = acc[r][0][0], s1 = acc[r][0][1];
-        for (int c = 1; c < P; c++)
-            s0 += acc[r][c][0], s1 += acc[r][c][1];
-        V8STORE(s + r * 16, s0);
-        V8STORE(s + r * 16 + 8, s1);
-    }
-}
-
-/* weigh_values with R <= 3 rows, C vectors of columns at a time (R * C <= 12 accumulators): the value
- * tile is read d / (8 C) times from L1, each pass prefetching its columns' lines of `next`. Each
- * output is one FMA per key in key order, as in weigh_values. */
-static inline __attribute__((always_inline)) void weigh_values_avx2(float *restrict acc, const float *restrict w,
-                                                                    int64_t w_stride, const float *restrict vb,
-                                                                    int64_t row, int64_t n, const int64_t d,
-                                                                    const int R, const int C, const float *next) {
-    for (int64_t col = 0; col < d; col += 8 * C) {
-        v8 a[3][8];
-        for (int r = 0; r < R; r++)
-            for (int v = 0; v < C; v++)
-                a[r][v] = V8LOAD(acc + r * d + col + v * 8);
-        for (int64_t kk = 0; kk < n; kk++) {
-            const float *val = vb + kk * row + col;
-            for (int v = 0; v < C; v += 2)
-                PREFETCH(next + kk * row + col + v * 8);
-            float wr[3]; /* broadcast once each: R weights + one value vector + R * C accumulators <= 16 */
-            for (int r = 0; r < R; r++)
-                wr[r] = w[r * w_stride + kk];
-            for (int v = 0; v < C; v++) {
-                v8 x = V8LOAD(val + v * 8);
-                for (int r = 0; r < R; r++)
-                    a[r][v] += wr[r] * x;
-            }
-        }
-        for (int r = 0; r < R; r++)
-            for (int v = 0; v < C; v++)
-                V8STORE(acc + r * d + col + v * 8, a[r][v]);
-    }
-}
-
 #ifdef LLMC_X86
-/* A converted pool's tiles read in place by task_avx2: scores16_avx2 and weigh_values_avx2 with
- * each key or value vector converted in registers as it is loaded (F16C for fp16, a shift for
- * bf16, a sign extension for int8), instead of the tile widened into a float copy first (a store
- * and a reload of every element). Same products in the same order, so the same results. Not
- * inlined into attend: its other instances are built without AVX2. The `next` tile is prefetched
- * a line per line read, as widen_avx2 does. */
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+static inline __attribute__((always_inline)) int64_t element_bytes(const int type) {
+    return type == LLMC_KV_FP32 ? 4 : type == LLMC_KV_INT8 ? 1 : 2;
+}
 
 /* 8 elements from element i of a tile of `type`, as floats (int8: the integers). */
 static inline __attribute__((always_inline)) AVX2_TARGET v8 lanes8(const char *tile, int64_t i, const int type) {
+    if (type == LLMC_KV_FP32)
+        return V8LOAD((const float *)tile + i);
     if (type == LLMC_KV_INT8)
         return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + i))));
     __m128i h = _mm_loadu_si128((const __m128i *)(tile + 2 * i));
@@ -544,7 +490,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void scores16_in_place(
                                                                                float *restrict s, const int64_t d,
                                                                                const int R, const int P,
                                                                                const int type, const char *next) {
-    const int64_t row_bytes = type == LLMC_KV_INT8 ? 16 : 32;  /* a 16-key row of the tile */
+    const int64_t row_bytes = 16 * element_bytes(type);  /* a 16-key row of the tile */
     v8 acc[6][4][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < P; c++)
@@ -572,7 +518,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void scores16_in_place(
 static inline __attribute__((always_inline)) AVX2_TARGET void weigh_values_in_place(
     float *restrict acc, const float *restrict w, int64_t w_stride, const char *restrict vb, int64_t n,
     const int64_t d, const int R, const int C, const int type, const char *next) {
-    const int64_t size = type == LLMC_KV_INT8 ? 1 : 2;
+    const int64_t size = element_bytes(type);
     for (int64_t col = 0; col < d; col += 8 * C) {
         v8 a[3][8];
         for (int r = 0; r < R; r++)
@@ -597,7 +543,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void weigh_values_in_pl
     }
 }
 
-/* score_rows_avx2 and weigh_rows_avx2's groupings, for 16-key tiles and d a multiple of 32. */
+/* Rows in groups that fill the registers, for 16-key tiles and d a multiple of 16 up to 128. */
 static inline __attribute__((always_inline)) AVX2_TARGET void score_rows_in_place(
     const float *restrict q, const char *restrict kt, float *restrict s, int64_t rows, const int64_t d,
     const int type, const char *next) {
@@ -620,12 +566,21 @@ static inline __attribute__((always_inline)) AVX2_TARGET void weigh_rows_in_plac
     if (type == LLMC_KV_INT8)
         PREFETCH(next + 16 * d);
     int64_t r = 0;
-    for (; r + 3 <= rows; r += 3)
-        weigh_values_in_place(acc + r * d, w + r * 16, 16, vb, n, d, 3, 4, type, next);
-    if (rows - r == 2)
-        weigh_values_in_place(acc + r * d, w + r * 16, 16, vb, n, d, 2, 4, type, next);
-    else if (rows - r == 1)
-        weigh_values_in_place(acc + r * d, w + r * 16, 16, vb, n, d, 1, d % 64 == 0 ? 8 : 4, type, next);
+    if (d % 32 == 0) {  /* 3 rows x 32 columns a pass */
+        for (; r + 3 <= rows; r += 3)
+            weigh_values_in_place(acc + r * d, w + r * 16, 16, vb, n, d, 3, 4, type, next);
+        if (rows - r == 2)
+            weigh_values_in_place(acc + r * d, w + r * 16, 16, vb, n, d, 2, 4, type, next);
+        else if (rows - r == 1)
+            weigh_values_in_place(acc + r * d, w + r * 16, 16, vb, n, d, 1, d % 64 == 0 ? 8 : 4, type, next);
+    } else {            /* 3 rows x 16 columns */
+        for (; r + 3 <= rows; r += 3)
+            weigh_values_in_place(acc + r * d, w + r * 16, 16, vb, n, d, 3, 2, type, next);
+        if (rows - r == 2)
+            weigh_values_in_place(acc + r * d, w + r * 16, 16, vb, n, d, 2, 2, type, next);
+        else if (rows - r == 1)
+            weigh_values_in_place(acc + r * d, w + r * 16, 16, vb, n, d, 1, 2, type, next);
+    }
 }
 
 /* The two per pool type, at a constant head_dim where it is a common one (the loops unroll). */
@@ -640,7 +595,9 @@ static inline __attribute__((always_inline)) AVX2_TARGET void weigh_rows_in_plac
     } while (0)
 #define IN_PLACE_TYPES(call)                                                                    \
     do {                                                                                        \
-        if (type == LLMC_KV_FP16)                                                               \
+        if (type == LLMC_KV_FP32)                                                               \
+            IN_PLACE_SHAPES(call, LLMC_KV_FP32);                                                \
+        else if (type == LLMC_KV_FP16)                                                          \
             IN_PLACE_SHAPES(call, LLMC_KV_FP16);                                                \
         else if (type == LLMC_KV_BF16)                                                          \
             IN_PLACE_SHAPES(call, LLMC_KV_BF16);                                                \
@@ -648,14 +605,14 @@ static inline __attribute__((always_inline)) AVX2_TARGET void weigh_rows_in_plac
             IN_PLACE_SHAPES(call, LLMC_KV_INT8);                                                \
     } while (0)
 
-static AVX2_TARGET void score_in_place(int type, const float *q, const char *kt, float *s, int64_t rows, int64_t d,
+static inline AVX2_TARGET void score_in_place(int type, const float *q, const char *kt, float *s, int64_t rows, int64_t d,
                                        const char *next) {
 #define SCORE(D, T) score_rows_in_place(q, kt, s, rows, D, T, next)
     IN_PLACE_TYPES(SCORE);
 #undef SCORE
 }
 
-static AVX2_TARGET void weigh_in_place(int type, float *acc, const float *w, const char *vb, int64_t rows, int64_t n,
+static inline AVX2_TARGET void weigh_in_place(int type, float *acc, const float *w, const char *vb, int64_t rows, int64_t n,
                                        int64_t d, const char *next) {
 #define WEIGH(D, T) weigh_rows_in_place(acc, w, vb, rows, n, D, T, next)
     IN_PLACE_TYPES(WEIGH);
@@ -726,54 +683,6 @@ static inline __attribute__((always_inline)) void weigh_rows(float *restrict acc
             for (int64_t i = 0; i < d; i++)
                 ar[i] += wk * val[i];
         }
-    }
-}
-
-/* score_rows and weigh_rows for task_avx2: the same fast-path conditions, so the same shapes
- * prefetch the next block (attend's `spread`); other shapes take the generic loops. */
-static inline __attribute__((always_inline)) void score_rows_avx2(const float *restrict q, const float *restrict kt,
-                                                                  float *restrict s, int64_t rows, const int64_t d,
-                                                                  const int64_t bs, const float *next) {
-    if (!(bs == 16 && d % 4 == 0)) {
-        score_rows(q, kt, s, rows, d, bs, next);
-        return;
-    }
-    int64_t r = 0;
-    for (; r + 6 <= rows; r += 6)
-        scores16_avx2(q + r * d, kt, s + r * bs, d, 6, 1, next);
-    if (rows - r >= 3)  /* a decode task's GQA group of 3 heads */
-        scores16_avx2(q + r * d, kt, s + r * bs, d, 3, 2, next), r += 3;
-    if (rows - r == 2)
-        scores16_avx2(q + r * d, kt, s + r * bs, d, 2, 2, next);
-    else if (rows - r == 1)
-        scores16_avx2(q + r * d, kt, s + r * bs, d, 1, 4, next);
-}
-
-static inline __attribute__((always_inline)) void weigh_rows_avx2(float *restrict acc, const float *restrict w,
-                                                                  const float *restrict vb, int64_t rows, int64_t n,
-                                                                  const int64_t d, const int64_t bs,
-                                                                  const float *next) {
-    if (!(d % 16 == 0 && d <= 128)) {
-        weigh_rows(acc, w, vb, rows, n, d, bs, next);
-        return;
-    }
-    int64_t r = 0;
-    if (d % 32 == 0) {  /* 3 rows x 32 columns a pass */
-        for (; r + 3 <= rows; r += 3)
-            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 3, 4, next);
-        if (rows - r == 2)
-            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 2, 4, next);
-        else if (rows - r == 1 && d % 64 == 0)
-            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 1, 8, next);
-        else if (rows - r == 1)
-            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 1, 4, next);
-    } else {            /* 3 rows x 16 columns */
-        for (; r + 3 <= rows; r += 3)
-            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 3, 2, next);
-        if (rows - r == 2)
-            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 2, 2, next);
-        else if (rows - r == 1)
-            weigh_values_avx2(acc + r * d, w + r * bs, bs, vb, d, n, d, 1, 2, next);
     }
 }
 
@@ -892,8 +801,13 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
     int64_t kv_rows = rows / kv_count;  /* rows [g * kv_rows, (g + 1) * kv_rows) read KV head kvh + g */
     if (nq <= 0)
         return;
-#define SCORE_ROWS(...) (avx2 ? score_rows_avx2(__VA_ARGS__) : score_rows(__VA_ARGS__))
-#define WEIGH_ROWS(...) (avx2 ? weigh_rows_avx2(__VA_ARGS__) : weigh_rows(__VA_ARGS__))
+    /* task_avx2 reads 16-key tiles in place (score_in_place, weigh_in_place); the rest the
+     * portable loops, a converted pool's tiles widened first. */
+#ifdef LLMC_X86
+    const int in_place = avx2 && bs == 16 && d % 16 == 0 && d <= 128;
+#else
+    const int in_place = 0;
+#endif
 
     /* A converted pool's tasks also need a float tile (64-byte aligned) and a tile's scales.
      * Decode's few rows fit on the stack: no allocator call per task. */
@@ -947,13 +861,30 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
             if (!spread && next != kt)
                 prefetch_tiles(next, plane_bytes, run_bytes);
             int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;  /* keys any row of the tile sees */
-            for (int64_t g = 0; g < kv_count; g++)
-                SCORE_ROWS(q + g * kv_rows * d, kt + g * tile_floats, s + g * kv_rows * bs, kv_rows, d, bs,
+            for (int64_t g = 0; g < kv_count; g++) {
+#ifdef LLMC_X86
+                if (in_place) {
+                    score_in_place(LLMC_KV_FP32, q + g * kv_rows * d, (const char *)(kt + g * tile_floats),
+                                   s + g * kv_rows * bs, kv_rows, d, (const char *)(next + g * tile_floats));
+                    continue;
+                }
+#endif
+                score_rows(q + g * kv_rows * d, kt + g * tile_floats, s + g * kv_rows * bs, kv_rows, d, bs,
                            next + g * tile_floats);
+            }
             softmax_block(a, s, m, l, acc, rows, nq, past + j0, t0, n, d, bs);
-            for (int64_t g = 0; g < kv_count; g++)
-                WEIGH_ROWS(acc + g * kv_rows * d, s + g * kv_rows * bs, kt + plane + g * tile_floats, kv_rows, n,
+            for (int64_t g = 0; g < kv_count; g++) {
+#ifdef LLMC_X86
+                if (in_place) {
+                    weigh_in_place(LLMC_KV_FP32, acc + g * kv_rows * d, s + g * kv_rows * bs,
+                                   (const char *)(kt + plane + g * tile_floats), kv_rows, n, d,
+                                   (const char *)(next + plane + g * tile_floats));
+                    continue;
+                }
+#endif
+                weigh_rows(acc + g * kv_rows * d, s + g * kv_rows * bs, kt + plane + g * tile_floats, kv_rows, n,
                            d, bs, next + plane + g * tile_floats);
+            }
         }
 #undef TILE
     } else {
@@ -962,12 +893,6 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
         float *restrict wide = (float *)(((uintptr_t)(s + rows * bs) + 63) & ~(uintptr_t)63);
         float *restrict scales = wide + bs * d;
         int type = a->kv_type, int8 = type == LLMC_KV_INT8;
-        /* task_avx2 reads 16-key tiles in place (score_in_place, weigh_in_place) */
-#ifdef LLMC_X86
-        int in_place = avx2 && bs == 16 && d % 32 == 0;
-#else
-        int in_place = 0;
-#endif
         int64_t tile_bytes = llmc_attention_tile_bytes(a), plane = a->num_blocks * hkv * tile_bytes;
         int64_t values = bs * d;  /* a tile's elements; int8 scales follow them */
 #define TILE(t) ((const char *)a->cache + ((int64_t)table[(t) / bs] * hkv + kvh) * tile_bytes)
@@ -989,7 +914,7 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
 #endif
                 if (!in_place) {
                     widen(type, keys, wide, values, next + g * tile_bytes, tile_bytes);
-                    SCORE_ROWS(q + g * kv_rows * d, wide, sg, kv_rows, d, bs, wide);
+                    score_rows(q + g * kv_rows * d, wide, sg, kv_rows, d, bs, wide);
                 }
                 if (int8)  /* q . k = (q . k_int) * k_scale, per key column */
                     scale_columns(sg, kv_rows, bs, keys + values, scales);
@@ -1008,13 +933,11 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
                                    next + plane + g * tile_bytes);
 #endif
                 if (!in_place)
-                    WEIGH_ROWS(acc + g * kv_rows * d, sg, wide, kv_rows, n, d, bs, wide);
+                    weigh_rows(acc + g * kv_rows * d, sg, wide, kv_rows, n, d, bs, wide);
             }
         }
 #undef TILE
     }
-#undef SCORE_ROWS
-#undef WEIGH_ROWS
     for (int64_t r = 0; r < rows; r++) {
         if (S > 1) {  /* decode (nq = 1): row r is head h0 + r's share, combined later */
             float *part = a->partial + ((b * a->num_heads + h0 + r) * S + chunk) * (d + 2);
@@ -1062,7 +985,7 @@ static void task_vec(const llmc_attention *a, int64_t task) {
 /* The AVX2 loops, where the CPU has no AVX-512 (whose clone of task_vec keeps its v16 loops). */
 static int attention_avx2(void) { return llmc_avx2() && !__builtin_cpu_supports("avx512f"); }
 
-/* task_vec with scores16_avx2 and weigh_values_avx2, for every pool type and shape. */
+/* task_vec with the in-place AVX2 loops where the shape has them, for every pool type. */
 __attribute__((target("avx2,fma,f16c"))) static void task_avx2(const llmc_attention *a, int64_t task) {
     int converted = a->kv_type != LLMC_KV_FP32;
     if (a->block_size == 16 && a->head_dim == 64) {
