@@ -730,34 +730,33 @@ static inline __attribute__((always_inline)) void softmax_block(const llmc_atten
                 sr[kk] = 0.0f;
             continue;
         }
-        if (bs == 16 && k0 == 0 && k1 == 16 && a->softcap <= 0.0f) {  /* a whole block, held in two vectors */
-            float best = max16(sr);
-            best = best > m[r] ? best : m[r];
-            float correction = exp_f(m[r] - best);
-            m[r] = best;
-#pragma omp simd
-            for (int64_t kk = 0; kk < 16; kk++)
-                sr[kk] = exp_f(sr[kk] - best);
-            l[r] = l[r] * correction + sum16(sr);
-            float *restrict ar = acc + r * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++)
-                ar[i] *= correction;
-            continue;
-        }
+        /* A whole block without softcap: its max and sum in two vectors (max16, sum16). */
+        const int whole = bs == 16 && k0 == 0 && k1 == 16 && a->softcap <= 0.0f;
         float best = m[r];
-        for (int64_t kk = k0; kk < k1; kk++) {
-            if (a->softcap > 0.0f)
-                sr[kk] = a->softcap * tanhf(sr[kk] / a->softcap);
-            best = sr[kk] > best ? sr[kk] : best;
+        if (whole) {
+            float top = max16(sr);
+            best = top > best ? top : best;
+        } else {
+            for (int64_t kk = k0; kk < k1; kk++) {
+                if (a->softcap > 0.0f)
+                    sr[kk] = a->softcap * tanhf(sr[kk] / a->softcap);
+                best = sr[kk] > best ? sr[kk] : best;
+            }
         }
         float correction = exp_f(m[r] - best), sum = 0.0f;
         m[r] = best;
+        if (whole) {
+#pragma omp simd
+            for (int64_t kk = 0; kk < 16; kk++)
+                sr[kk] = exp_f(sr[kk] - best);
+            sum = sum16(sr);
+        } else {
 #pragma omp simd reduction(+ : sum)
-        for (int64_t kk = 0; kk < n; kk++) {
-            float w = (kk >= k0 && kk < k1) ? exp_f(sr[kk] - best) : 0.0f;
-            sr[kk] = w;
-            sum += w;
+            for (int64_t kk = 0; kk < n; kk++) {
+                float w = (kk >= k0 && kk < k1) ? exp_f(sr[kk] - best) : 0.0f;
+                sr[kk] = w;
+                sum += w;
+            }
         }
         l[r] = l[r] * correction + sum;
         float *restrict ar = acc + r * d;
@@ -863,33 +862,31 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
             int64_t n = last - t0 + 1 < bs ? last - t0 + 1 : bs;  /* keys any row of the tile sees */
             for (int64_t g = 0; g < kv_count; g++) {
 #ifdef LLMC_X86
-                if (in_place) {
+                if (in_place)
                     score_in_place(LLMC_KV_FP32, q + g * kv_rows * d, (const char *)(kt + g * tile_floats),
                                    s + g * kv_rows * bs, kv_rows, d, (const char *)(next + g * tile_floats));
-                    continue;
-                }
+                else
 #endif
-                score_rows(q + g * kv_rows * d, kt + g * tile_floats, s + g * kv_rows * bs, kv_rows, d, bs,
-                           next + g * tile_floats);
+                    score_rows(q + g * kv_rows * d, kt + g * tile_floats, s + g * kv_rows * bs, kv_rows, d, bs,
+                               next + g * tile_floats);
             }
             softmax_block(a, s, m, l, acc, rows, nq, past + j0, t0, n, d, bs);
             for (int64_t g = 0; g < kv_count; g++) {
 #ifdef LLMC_X86
-                if (in_place) {
+                if (in_place)
                     weigh_in_place(LLMC_KV_FP32, acc + g * kv_rows * d, s + g * kv_rows * bs,
                                    (const char *)(kt + plane + g * tile_floats), kv_rows, n, d,
                                    (const char *)(next + plane + g * tile_floats));
-                    continue;
-                }
+                else
 #endif
-                weigh_rows(acc + g * kv_rows * d, s + g * kv_rows * bs, kt + plane + g * tile_floats, kv_rows, n,
-                           d, bs, next + plane + g * tile_floats);
+                    weigh_rows(acc + g * kv_rows * d, s + g * kv_rows * bs, kt + plane + g * tile_floats, kv_rows,
+                               n, d, bs, next + plane + g * tile_floats);
             }
         }
 #undef TILE
     } else {
-        /* Each tile is widened into `wide` just before use (an L1-resident copy), its next block's
-         * counterpart prefetched a line per line widened. */
+        /* Where the tiles are not read in place, each is widened into `wide` just before use (an
+         * L1-resident copy), its next block's counterpart prefetched a line per line widened. */
         float *restrict wide = (float *)(((uintptr_t)(s + rows * bs) + 63) & ~(uintptr_t)63);
         float *restrict scales = wide + bs * d;
         int type = a->kv_type, int8 = type == LLMC_KV_INT8;
@@ -897,7 +894,7 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
         int64_t values = bs * d;  /* a tile's elements; int8 scales follow them */
 #define TILE(t) ((const char *)a->cache + ((int64_t)table[(t) / bs] * hkv + kvh) * tile_bytes)
         /* The task's first blocks at once (a decode chunk: all of it), then the next block's
-         * lines as each is widened. A decode task has little arithmetic to hide one block's
+         * lines as each is read. A decode task has little arithmetic to hide one block's
          * latency behind, so it fetches wide first (docs/attention_cpu.md, "Split decode"). */
         int64_t start = first - first % bs, ahead = LLMC_TASK_AHEAD_BYTES / (2 * kv_count * tile_bytes);
         for (int64_t t = start; t <= last && t <= start + ahead * bs; t += bs)
@@ -911,8 +908,9 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
 #ifdef LLMC_X86
                 if (in_place)
                     score_in_place(type, q + g * kv_rows * d, keys, sg, kv_rows, d, next + g * tile_bytes);
+                else
 #endif
-                if (!in_place) {
+                {
                     widen(type, keys, wide, values, next + g * tile_bytes, tile_bytes);
                     score_rows(q + g * kv_rows * d, wide, sg, kv_rows, d, bs, wide);
                 }
@@ -923,17 +921,18 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
             for (int64_t g = 0; g < kv_count; g++) {
                 const char *vals = kt + plane + g * tile_bytes;
                 float *sg = s + g * kv_rows * bs;
-                if (!in_place)
-                    widen(type, vals, wide, n * d, next + plane + g * tile_bytes, tile_bytes);
                 if (int8)  /* w . v = (w * v_scale) . v_int, per token */
                     scale_columns(sg, kv_rows, bs, vals + values, scales);
 #ifdef LLMC_X86
                 if (in_place)
                     weigh_in_place(type, acc + g * kv_rows * d, sg, vals, kv_rows, n, d,
                                    next + plane + g * tile_bytes);
+                else
 #endif
-                if (!in_place)
+                {
+                    widen(type, vals, wide, n * d, next + plane + g * tile_bytes, tile_bytes);
                     weigh_rows(acc + g * kv_rows * d, sg, wide, kv_rows, n, d, bs, wide);
+                }
             }
         }
 #undef TILE
