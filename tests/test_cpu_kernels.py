@@ -169,6 +169,32 @@ def test_packed_matmul_matches_numpy(rows, k, n):
         sess.run(None, {"x": x[..., 1:].copy(), "w": pack_weight(w)})
 
 
+@pytest.mark.parametrize("rows,n", [(1, 96), (3, 70), (13, 5), (20, 1000)])
+def test_packed_matmul_argmax_output_is_numpys_argmax(rows, n):
+    """The optional second output, each row's argmax, taken per panel: ties go to the first column
+    (a tie across panels included), NaN beats everything (the first one), all -inf gives 0."""
+    rng = np.random.default_rng(rows + n)
+    k = 16
+    x, w = rng.standard_normal((rows, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+    # Columns that copy another give exact ties: the copy of the largest column in a later panel.
+    w[:, n - 1] = w[:, int(np.argmax((x @ w)[0]))]
+    x[rows - 1] = 0.0  # a row of zeros: all tied
+    sess = _session("PackedMatMul", ["x", "w"], ["y", "argmax"], {"argmax": TensorProto.INT64}, n=n)
+    y, argmax = sess.run(None, {"x": x, "w": pack_weight(w)})
+    assert argmax.dtype == np.int64 and argmax.shape == (rows,)
+    np.testing.assert_array_equal(argmax, np.argmax(y, axis=-1))
+    assert argmax[rows - 1] == 0
+    # NaN and -inf rows come from the weights: a NaN column, and a row that makes every column -inf.
+    if n > 40:
+        w[:, 37] = np.nan
+        w[:, 2] = np.nan
+        y, argmax = sess.run(None, {"x": x[:1], "w": pack_weight(w)})
+        np.testing.assert_array_equal(argmax, np.argmax(y, axis=-1))
+        assert argmax[0] == 2
+    y, argmax = sess.run(None, {"x": np.full((1, k), -np.inf, np.float32), "w": pack_weight(np.ones((k, n), np.float32))})
+    assert np.isneginf(y).all() and argmax[0] == 0
+
+
 @pytest.mark.parametrize("rows", [1, 13])
 def test_skip_rmsnorm_matmul_matches_numpy(rows):
     """The residual sum, and the product of its RMS-normed rows with a packed weight."""

@@ -114,7 +114,7 @@ def test_llmc_run_shows_the_step_error_when_every_request_fails(llama_engine: Pa
     def fail(*args: Any) -> None:
         raise RuntimeError("kernel exploded\nsecond line of detail")
 
-    monkeypatch.setattr(Engine, "forward", fail)
+    monkeypatch.setattr(Engine, "_run", fail)  # the session call every step goes through
     code, errors, text = cli("run", str(llama_engine), "hello", "--max-tokens", "4")
     assert code == 2 and errors == ["error: backend step failed: kernel exploded"], text
     assert "TTFT" not in text

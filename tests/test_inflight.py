@@ -167,17 +167,17 @@ def test_backend_failure_fails_the_step_not_the_engine(llama_engine, monkeypatch
     llm = LLM(llama_engine)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     victim = llm.output(llm.add_request("this one hits a broken backend", params))
-    real_forward = llm.engine.forward
+    real_run = llm.engine._run  # the session call every step goes through
 
     def broken(*args):
         raise RuntimeError("simulated ORT failure\nwith a second line")
 
-    monkeypatch.setattr(llm.engine, "forward", broken)
+    monkeypatch.setattr(llm.engine, "_run", broken)
     llm.step()
     assert victim.finish_reason == "error" and "simulated ORT failure" in victim.error
     assert "\n" not in victim.error
     assert llm.blocks.num_free == llm.blocks.capacity and not llm.has_unfinished()
-    monkeypatch.setattr(llm.engine, "forward", real_forward)
+    monkeypatch.setattr(llm.engine, "_run", real_run)
     assert len(llm.generate("the engine still serves", params).token_ids) == 6
 
 

@@ -10,7 +10,10 @@ import torch
 
 from conftest import BLOCK_SIZE, FAMILIES
 from llmc.errors import RequestError
+from llmc.plugins import cpu
 from llmc.runtime.engine import Engine
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling import SamplingParams
 
 ATOL = 1e-4
 PROMPT_LENS = (23, 9, 40)  # 40 > tiny-mistral's sliding window (16); all span many 4-token blocks
@@ -31,6 +34,7 @@ class _Rows:
         width = -(-max(map(len, seqs)) // BLOCK_SIZE)
         ids = np.random.default_rng(seed).choice(np.arange(1, engine.num_blocks), len(seqs) * width, replace=False)
         self.tables = ids.reshape(len(seqs), width).astype(np.int32)
+        self.greedy_steps = 0
 
     def step(self, past: list[int], counts: list[int], logits_indices=None) -> tuple[np.ndarray, int]:
         """(logits, S) of computing tokens past[b]:past[b] + counts[b] of each row b."""
@@ -42,6 +46,10 @@ class _Rows:
             pos[b] = np.minimum(p + np.arange(seq), p + n - 1)  # padding holds the row's last position
         logits = self.engine.forward(ids, pos, np.array(past, np.int32), np.array(counts, np.int32), self.tables,
                                      logits_indices)
+        greedy = self.engine.greedy_tokens(logits)
+        if greedy is not None:  # the graph's argmax, where it has the output, is each row's argmax
+            np.testing.assert_array_equal(greedy, np.argmax(logits, axis=-1))
+        self.greedy_steps += greedy is not None
         return logits.copy(), seq
 
 
@@ -77,6 +85,19 @@ def test_logits_at_chosen_positions_match_hf(recipe, engines, hf_models):
                             np.concatenate([b * max(CHUNK_LENS) + np.arange(c) for b, c in enumerate(CHUNK_LENS)]))
     expected = np.concatenate([r[n:n + c] for r, n, c in zip(ref, prompts, CHUNK_LENS)])
     np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0)
+    assert engine.io.greedy_tokens == (cpu.library_path() is not None) and rows.greedy_steps == 4 * engine.io.greedy_tokens
+
+
+def test_greedy_tokens_from_the_graph_or_from_the_logits_decode_alike(engines):
+    """An engine built without the greedy_tokens output (greedy-tokens disabled, or built before it
+    existed) loads, and its greedy decoding under in-flight batching is the same."""
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 30)]
+    outputs = []
+    for disabled in ((), ("greedy-tokens",)):
+        llm = LLM(engines("tiny-llama", *disabled))
+        assert llm.engine.io.greedy_tokens == (not disabled and cpu.library_path() is not None)
+        outputs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))])
+    assert outputs[0] == outputs[1]
 
 
 @pytest.mark.parametrize("recipe", FAMILIES)

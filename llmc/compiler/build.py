@@ -292,8 +292,8 @@ def _counts_text(counts: dict[str, int]) -> str:
 
 def _graph_io(model, spec: ModelSpec) -> graph_io.GraphIO:
     """The compiled graph's interface, which must be the engine contract's."""
-    io = graph_io.GraphIO.paged(spec.num_layers)
     have = {v.name for v in [*model.graph.inputs, *model.graph.outputs]}
+    io = graph_io.GraphIO.paged(spec.num_layers, graph_io.GREEDY_TOKENS in have)
     missing = [name for name in (*io.inputs, *io.outputs) if name not in have]
     extra = sorted(have - {*io.inputs, *io.outputs})
     if missing or extra:

@@ -8,7 +8,8 @@ One step of the paged contract (design §4) runs rows of equal padded length S:
            into the step's [B*S] token grid: row b, token j is b*S + j),
            and per layer the pool kv_cache.{i}
   outputs  logits [N, V] (row n is token logits_indices[n]), and per layer kv_cache_out.{i},
-           which the runtime binds to the same buffer as kv_cache.{i}: the cache is written in place.
+           which the runtime binds to the same buffer as kv_cache.{i}: the cache is written in place;
+           optionally last, greedy_tokens [N] int64, each logits row's argmax (numpy's ranking).
 The LM head runs on the N chosen tokens only: a prefill asks for each row's last token, a
 scoring pass for every position, a speculative step for the k+1 tokens it verifies.
 Block 0 of every pool is scratch: padding tokens write there and no sequence is given it.
@@ -27,6 +28,7 @@ QUERY_LENS = "query_lens"
 BLOCK_TABLES = "block_tables"
 LOGITS_INDICES = "logits_indices"
 LOGITS = "logits"
+GREEDY_TOKENS = "greedy_tokens"
 _CACHE_INPUT = "kv_cache.{}"
 _CACHE_OUTPUT = "kv_cache_out.{}"
 
@@ -69,13 +71,17 @@ class GraphIO:
     outputs: tuple[str, ...]
 
     @classmethod
-    def paged(cls, num_layers: int) -> "GraphIO":
+    def paged(cls, num_layers: int, greedy_tokens: bool = False) -> "GraphIO":
         return cls(inputs=(*STEP_INPUTS, *map(cache_input, range(num_layers))),
-                   outputs=(LOGITS, *map(cache_output, range(num_layers))))
+                   outputs=(LOGITS, *map(cache_output, range(num_layers)), *((GREEDY_TOKENS,) if greedy_tokens else ())))
 
     @property
     def num_layers(self) -> int:
         return len(self.inputs) - len(STEP_INPUTS)
+
+    @property
+    def greedy_tokens(self) -> bool:
+        return GREEDY_TOKENS in self.outputs
 
     def caches(self) -> list[tuple[str, str]]:
         return caches(self.num_layers)

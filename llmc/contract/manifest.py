@@ -179,7 +179,7 @@ class Manifest:
         if self.max_context > self.model_spec.max_position_embeddings:
             raise ContractError(f"build_options.max_context {self.max_context} exceeds model_spec."
                                 f"max_position_embeddings {self.model_spec.max_position_embeddings}")
-        if self.io != GraphIO.paged(self.kv_cache.num_layers):
+        if self.io != GraphIO.paged(self.kv_cache.num_layers, self.io.greedy_tokens):
             raise ContractError(f"io: not the paged-attention interface of a {self.kv_cache.num_layers}-layer engine")
 
     @property
@@ -206,6 +206,8 @@ class Manifest:
         outputs = {graph_io.LOGITS: logits}
         for cache_in, cache_out in self.io.caches():
             inputs[cache_in] = outputs[cache_out] = pool
+        if self.io.greedy_tokens:
+            outputs[graph_io.GREEDY_TOKENS] = TensorType("int64", (graph_io.NUM_LOGITS,))
         return inputs, outputs
 
     def to_json(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@
     backend kernels   ort-fusions (ORT's), cpu-kernels (llmc's own)
     lower             ort-lower (what no kernel took, in standard ops)
     layout            simplify-layout
-    weights           packed-matmul, lossless-weights (with --lossless-weights)
+    weights           packed-matmul, lossless-weights (with --lossless-weights), greedy-tokens
 
 With --backend tensorrt the first four phases are the same and the rest is TensorRT's lowering
 (trt_lower.py): the attention as llmc's plugin node, then the whole graph in fp16 or bf16.
@@ -28,6 +28,7 @@ from llmc.contract.options import BuildOptions
 from llmc.errors import LlmcError
 from llmc.passes.cleanup import Cleanup
 from llmc.passes.cpu_kernels import CPUKernels
+from llmc.passes.greedy_tokens import GreedyTokens
 from llmc.passes.logits_indices import LogitsIndices
 from llmc.passes.lossless_weights import LosslessWeights
 from llmc.passes.manager import Pass
@@ -64,7 +65,8 @@ def phases(options: BuildOptions) -> list[Phase]:
         Phase("backend kernels", (ORTFusions(), CPUKernels(block, options.kv_dtype))),
         Phase("lower", (LowerPagedAttentionORT(block),)),
         Phase("layout", (SimplifyLayout(),)),
-        Phase("weights", (PackedMatMuls(),) + ((LosslessWeights(),) if options.lossless_weights else ())),
+        Phase("weights", (PackedMatMuls(),) + ((LosslessWeights(),) if options.lossless_weights else ())
+              + (GreedyTokens(),)),
     ]
 
 

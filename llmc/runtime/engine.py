@@ -101,6 +101,7 @@ class Engine:
             value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(*kv_layout.ort_value_args(pool, self.kv.dtype))
             self._pools.append((pool, value))
         self._steps: dict[tuple[int, int, int, int], _StepBuffers] = {}
+        self._last: _StepBuffers | None = None  # the step last run
 
     def _check_graph(self) -> None:
         """Hold the loaded graph's inputs and outputs against the manifest, so an edited manifest
@@ -150,16 +151,41 @@ class Engine:
         nothing. The logits buffer is reused by the next step of the same shape: copy what must
         outlive it."""
         batch, seq = input_ids.shape
-        if logits_indices is None:
-            step = self._step_buffers(batch, seq, block_tables.shape[1], batch)
-            np.add(step.last_of_row, query_lens, out=step.inputs[io.LOGITS_INDICES])
-        else:
-            logits_indices = _checked_indices(logits_indices, batch, seq)
-            step = self._step_buffers(batch, seq, block_tables.shape[1], len(logits_indices))
-            np.copyto(step.inputs[io.LOGITS_INDICES], logits_indices, casting="unsafe")
+        step = self._bound(batch, seq, block_tables.shape[1], logits_indices)
         for name, value in ((io.INPUT_IDS, input_ids), (io.POSITION_IDS, position_ids), (io.PAST_LENS, past_lens),
                             (io.QUERY_LENS, query_lens), (io.BLOCK_TABLES, block_tables)):
             np.copyto(step.inputs[name], value, casting="unsafe")
+        if logits_indices is None:
+            np.add(step.last_of_row, query_lens, out=step.inputs[io.LOGITS_INDICES])
+        return self._run(step)
+
+    def forward_rows(self, rows: list["Row"], seq: int | None = None, logits_indices=None) -> np.ndarray:
+        """`forward` of `pack(rows, seq)`, the rows written straight into the step's bound arrays:
+        a decode step's inputs are a few scalars, and building them as arrays first (then copying)
+        took a measurable share of a batch-1 step (docs/attention_cpu.md)."""
+        seq = max(len(r.tokens) for r in rows) if seq is None else seq
+        step = self._bound(len(rows), seq, max(len(r.block_table) for r in rows), logits_indices)
+        fill(rows, step.inputs, step.inputs[io.LOGITS_INDICES] if logits_indices is None else None)
+        return self._run(step)
+
+    def greedy_tokens(self, logits: np.ndarray) -> np.ndarray | None:
+        """Each row's argmax of `logits`, as the graph computed it, when they are the last step's
+        logits and the graph has the greedy_tokens output; else None."""
+        step = self._last
+        return step.greedy if step is not None and logits is step.logits else None
+
+    def _bound(self, batch: int, seq: int, width: int, logits_indices) -> "_StepBuffers":
+        """The step's buffers, with logits_indices written unless None (each row's last valid token,
+        which the caller writes)."""
+        if logits_indices is None:
+            return self._step_buffers(batch, seq, width, batch)
+        logits_indices = _checked_indices(logits_indices, batch, seq)
+        step = self._step_buffers(batch, seq, width, len(logits_indices))
+        np.copyto(step.inputs[io.LOGITS_INDICES], logits_indices, casting="unsafe")
+        return step
+
+    def _run(self, step: "_StepBuffers") -> np.ndarray:
+        self._last = step
         self.session.run_with_iobinding(step.binding)
         return step.logits
 
@@ -178,6 +204,7 @@ class Engine:
                 inputs={name: np.zeros([sizes[d] for d in io.STEP_SHAPES[name]], dtype)
                         for name, dtype in io.STEP_INPUTS.items()},
                 logits=np.empty((num_logits, self.spec.vocab_size), np.float32),
+                greedy=np.empty(num_logits, np.int64) if self.io.greedy_tokens else None,
                 last_of_row=np.arange(batch, dtype=np.int64) * seq - 1,
                 binding=self.session.io_binding())
             for (cache_in, cache_out), (_, value) in zip(self.io.caches(), self._pools):
@@ -185,8 +212,9 @@ class Engine:
                 step.binding.bind_ortvalue_output(cache_out, value)
             for name, array in step.inputs.items():
                 step.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
-            step.binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(step.logits.shape),
-                                     step.logits.ctypes.data)
+            for name, array in ((io.LOGITS, step.logits), (io.GREEDY_TOKENS, step.greedy)):
+                if array is not None:
+                    step.binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
         return step
 
 
@@ -194,6 +222,7 @@ class Engine:
 class _StepBuffers:
     inputs: dict[str, np.ndarray]  # in io.STEP_INPUTS order
     logits: np.ndarray
+    greedy: np.ndarray | None  # each logits row's argmax, when the graph returns it
     last_of_row: np.ndarray  # b*S - 1 per row: + query_lens is each row's last valid token
     binding: object  # the session's IOBinding of these arrays and the pools
 
@@ -212,18 +241,36 @@ def pack(rows: list[Row], seq: int | None = None):
     """The step inputs (input_ids, position_ids, past_lens, query_lens, block_tables) of rows,
     padded to the longest row (or to `seq`)."""
     seq = max(len(r.tokens) for r in rows) if seq is None else seq
-    batch = len(rows)
-    input_ids = np.zeros((batch, seq), np.int64)
-    past_lens = np.array([r.past for r in rows], np.int32)
-    query_lens = np.array([len(r.tokens) for r in rows], np.int32)
-    tables = np.full((batch, max(len(r.block_table) for r in rows)), io.SCRATCH_BLOCK, np.int32)  # a short row's tail reads nothing
-    position_ids = past_lens[:, None].astype(np.int64) + np.arange(seq)[None, :]
+    inputs = {name: np.empty(dims, io.STEP_INPUTS[name]) for name, dims in (
+        (io.INPUT_IDS, (len(rows), seq)), (io.POSITION_IDS, (len(rows), seq)), (io.PAST_LENS, len(rows)),
+        (io.QUERY_LENS, len(rows)), (io.BLOCK_TABLES, (len(rows), max(len(r.block_table) for r in rows))))}
+    fill(rows, inputs)
+    return tuple(inputs.values())
+
+
+def fill(rows: list[Row], inputs: dict[str, np.ndarray], last: np.ndarray | None = None) -> None:
+    """Write rows into a step's input arrays (shaped for them), and each row's last valid token's
+    index in the token grid into `last`. Padding tokens are 0 and carry the row's pad position; a
+    short row's block-table tail is the scratch block, which reads nothing. Element by element:
+    right after a step's graph run the caches hold none of numpy's code, and each numpy routine
+    touched costs microseconds then (docs/attention_cpu.md)."""
+    ids, positions, past, lens, tables = (inputs[name] for name in (
+        io.INPUT_IDS, io.POSITION_IDS, io.PAST_LENS, io.QUERY_LENS, io.BLOCK_TABLES))
+    seq, max_width = ids.shape[1], tables.shape[1]
     for i, r in enumerate(rows):
-        n = len(r.tokens)
-        input_ids[i, :n] = r.tokens
-        tables[i, :len(r.block_table)] = r.block_table
-        position_ids[i, n:] = r.past + n - 1 if r.pad_position is None else r.pad_position
-    return input_ids, position_ids, past_lens, query_lens, tables
+        n, width = len(r.tokens), len(r.block_table)
+        past[i], lens[i] = r.past, n
+        if n == seq == 1:  # a decode row
+            ids[i, 0], positions[i, 0] = r.tokens[0], r.past
+        else:
+            ids[i, :n], ids[i, n:] = r.tokens, 0
+            positions[i, :n] = np.arange(r.past, r.past + n)
+            positions[i, n:] = r.past + n - 1 if r.pad_position is None else r.pad_position
+        tables[i, :width] = r.block_table
+        if width < max_width:
+            tables[i, width:] = io.SCRATCH_BLOCK
+        if last is not None:
+            last[i] = i * seq + n - 1
 
 
 def _checked_indices(indices, batch: int, seq: int) -> np.ndarray:

@@ -19,7 +19,7 @@ from llmc.contract.engine_dir import open_engine, read_eos_token_ids
 from llmc.contract.options import RuntimeOptions
 from llmc.contract.tuning import read_tuning
 from llmc.errors import RequestError, first_line
-from llmc.runtime.engine import Row, load_engine, pack
+from llmc.runtime.engine import Row, load_engine
 from llmc.runtime.kv_cache import BlockManager, blocks_for
 from llmc.runtime.request import Request, RequestOutput
 from llmc.runtime.sampling import Sampler, SamplingParams, token_logprob, verify
@@ -288,10 +288,10 @@ class LLM:
                 self.abort(request.request_id)
 
     def _run(self, rows: list[tuple[Request, int]]) -> list[Request]:
-        feeds = self._pack(rows)
+        packed, seq = self._rows(rows)
         if any(r.proposal for r, _ in rows):
-            return self._run_speculative(rows, feeds)
-        logits = self.engine.forward(*feeds)  # each row's last computed token
+            return self._run_speculative(rows, packed, seq)
+        logits = self.engine.forward_rows(packed, seq)  # each row's last computed token
         done = []
         for i, (r, n) in enumerate(rows):
             self.computed_tokens += n
@@ -305,7 +305,8 @@ class LLM:
         return self._sample([rows[i][0] for i in done], picked)
 
     def _sample(self, requests: list[Request], logits: np.ndarray) -> list[Request]:
-        tokens = self.sampler.sample(logits, [r.params for r in requests], [r.rng for r in requests])
+        tokens = self.sampler.sample(logits, [r.params for r in requests], [r.rng for r in requests],
+                                     self.engine.greedy_tokens(logits))
         now = time.perf_counter()
         for i, (r, token) in enumerate(zip(requests, tokens)):
             if r.out.token_ids:
@@ -315,14 +316,13 @@ class LLM:
             r.append(int(token), now, self.max_context)
         return requests
 
-    def _run_speculative(self, rows: list[tuple[Request, int]], feeds) -> list[Request]:
+    def _run_speculative(self, rows: list[tuple[Request, int]], packed: list[Row], seq: int) -> list[Request]:
         """A decode step where some rows verify proposals: logits at every position of those rows
         (after the pending token and after each proposal), at the last of the others."""
-        seq = feeds[0].shape[1]
         spans = [n if r.proposal else 1 for r, n in rows]
         indices = np.concatenate([b * seq + (np.arange(n) if r.proposal else np.array([n - 1]))
                                   for b, (r, n) in enumerate(rows)])
-        logits = self.engine.forward(*feeds, logits_indices=indices)
+        logits = self.engine.forward_rows(packed, seq, logits_indices=indices)
         starts = np.cumsum([0] + spans)
         plain, updated = [], []
         for (r, n), start in zip(rows, starts):
@@ -360,12 +360,13 @@ class LLM:
         self.blocks.truncate(r, len(r.token_ids))  # blocks holding only rejected proposals go back
         self.blocks.commit(r)
 
-    def _pack(self, rows: list[tuple[Request, int]]):
+    def _rows(self, rows: list[tuple[Request, int]]) -> tuple[list[Row], int]:
+        """The step's rows and the length they are padded to."""
         seq = max(n for _, n in rows)
         # A row's padding slots carry its last known position, from which a length-dependent RoPE
         # reads the row's length; a chunk that fills its row gets a padding slot for it.
         if self.engine.spec.longrope_boundary is not None and any(
                 n == seq and len(r.token_ids) > r.num_computed_tokens + n for r, n in rows):
             seq += 1
-        return pack([Row((r.token_ids[r.num_computed_tokens:] + r.proposal)[:n], r.num_computed_tokens,
-                         r.block_table, len(r.token_ids) - 1) for r, n in rows], seq)
+        return [Row((r.token_ids[r.num_computed_tokens:] + r.proposal)[:n], r.num_computed_tokens, r.block_table,
+                    len(r.token_ids) - 1) for r, n in rows], seq

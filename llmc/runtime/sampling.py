@@ -261,8 +261,10 @@ class Sampler:
         logits: np.ndarray,
         params: Sequence[SamplingParams],
         rngs: Sequence[np.random.Generator | None],
+        argmax: np.ndarray | None = None,
     ) -> np.ndarray:
-        """logits [B, V] -> token ids [B] int64. Row i uses params[i] and draws only from rngs[i]."""
+        """logits [B, V] -> token ids [B] int64. Row i uses params[i] and draws only from rngs[i].
+        `argmax`, each row's argmax when the engine computed it already, serves the greedy rows."""
         if logits.ndim != 2:
             raise ValueError(f"logits must be 2-D [batch, vocab], got shape {logits.shape}")
         batch = logits.shape[0]
@@ -273,11 +275,11 @@ class Sampler:
         # right after a step's graph run the caches hold none of numpy's code, and fromiter + all
         # were measurably slower there (docs/attention_cpu.md).
         if all(p.greedy for p in params):
-            return np.argmax(logits, axis=-1).astype(np.int64, copy=False)
+            return np.argmax(logits, axis=-1).astype(np.int64, copy=False) if argmax is None else argmax
         out = np.empty(batch, dtype=np.int64)
         greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=batch)
         if greedy.any():
-            out[greedy] = np.argmax(logits[greedy], axis=-1)
+            out[greedy] = np.argmax(logits[greedy], axis=-1) if argmax is None else argmax[greedy]
 
         sampled = np.flatnonzero(~greedy)
         if sampled.size:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.runtime.engine import Engine, Row, pack
+from llmc.runtime.engine import Engine, Row
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.request import Request
 from llmc.runtime.sampling import distribution, sample_from
@@ -121,9 +121,8 @@ class DraftProposer:
         for j in range(max(k for _, k in live)):
             step = [(r, k) for r, k in live if k > j]
             seqs = [self._seqs[r.request_id] for r, _ in step]
-            feeds = pack([Row(s.token_ids[s.num_computed_tokens:], s.num_computed_tokens, s.block_table)
-                          for s in seqs])
-            logits = self.engine.forward(*feeds)
+            logits = self.engine.forward_rows([Row(s.token_ids[s.num_computed_tokens:], s.num_computed_tokens,
+                                                   s.block_table) for s in seqs])
             for (r, k), s, row in zip(step, seqs, logits):
                 s.num_computed_tokens = len(s.token_ids)
                 if r.params.greedy:
@@ -166,8 +165,8 @@ class DraftProposer:
             if not rows:
                 return
             chunks = [s.token_ids[s.num_computed_tokens:len(s.token_ids) - 1][:self.chunk] for s in rows]
-            self.engine.forward(*pack([Row(c, s.num_computed_tokens, s.block_table) for c, s in zip(chunks, rows)]),
-                                logits_indices=[])
+            self.engine.forward_rows([Row(c, s.num_computed_tokens, s.block_table) for c, s in zip(chunks, rows)],
+                                     logits_indices=[])
             for c, s in zip(chunks, rows):
                 s.num_computed_tokens += len(c)
 

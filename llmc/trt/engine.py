@@ -26,7 +26,7 @@ from llmc.contract.engine_dir import EngineFiles, open_engine
 from llmc.contract.options import RuntimeOptions
 from llmc.contract.profiles import choose
 from llmc.errors import LlmcError
-from llmc.runtime.engine import _checked_indices
+from llmc.runtime.engine import Row, _checked_indices, pack
 
 DEVICE_MEMORY_SHARE = 0.9  # of the GPU memory free after loading the plan, for the KV pools by default
 
@@ -150,6 +150,14 @@ class TrtEngine:
             self._bind(self._contexts[index], inputs, logits)
             self._contexts[index].execute_async_v3(self._stream.cuda_stream)
             return logits.cpu().numpy()
+
+    def forward_rows(self, rows: list[Row], seq: int | None = None, logits_indices=None) -> np.ndarray:
+        """`forward` of `pack(rows, seq)`, as the ONNX Runtime Engine's."""
+        return self.forward(*pack(rows, seq), logits_indices=logits_indices)
+
+    def greedy_tokens(self, logits: np.ndarray) -> None:
+        """None: the plan returns logits only (the runtime takes their argmax)."""
+        return None
 
     def _decode(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
         rows = next(b for b in buckets(self.profiles[0].batch.max) if b >= arrays[io.INPUT_IDS].shape[0])

@@ -1,5 +1,5 @@
-/* ONNX Runtime custom-op library: domain "llmc.cpu", ops PagedAttention, SwiGLU, PackedMatMul,
- * SkipRMSNormMatMul, SwiGLUMatMul.
+/* ONNX Runtime custom-op library: domain "llmc.cpu", ops PagedAttention, SwiGLU, PackedMatMul
+ * (optionally with each row's argmax), SkipRMSNormMatMul, SwiGLUMatMul.
  * ORT calls RegisterCustomOps when a session registers this library; the kernels then run on
  * ORT's intra-op thread pool (KernelContext_ParallelFor), so they share its threads and spinning
  * settings instead of bringing threads of their own. */
@@ -295,6 +295,8 @@ typedef struct {
     int format, zero_points;
     float *y;
     int64_t m, k, n;
+    float *best;       /* with an argmax output: per panel and row, the panel's largest value... */
+    int32_t *best_at;  /* ...and its column, the first one on ties */
 } linear_job;
 
 static int64_t panels_of(int64_t n) { return (n + LLMC_PANEL - 1) / LLMC_PANEL; }
@@ -335,19 +337,53 @@ static OrtStatus *check_packed(const char *op, const linear_kernel *kernel, cons
     return NULL;
 }
 
-static void linear_one(void *arg, size_t panel) {
-    const linear_job *job = arg;
+/* Whether v beats the best so far as numpy's argmax ranks values: NaN above everything (the first
+ * NaN wins), otherwise the larger, the earlier on ties. */
+static inline int beats(float v, float best) { return v > best || (v != v && best == best); }
+
+/* The largest value of each row within one panel's columns, while they are still in cache. */
+static void panel_argmax(const linear_job *job, int64_t panel) {
+    int64_t c0 = panel * LLMC_PANEL, c1 = c0 + LLMC_PANEL < job->n ? c0 + LLMC_PANEL : job->n;
+    for (int64_t r = 0; r < job->m; r++) {
+        const float *row = job->y + r * job->n;
+        int64_t at = c0;
+        for (int64_t c = c0 + 1; c < c1; c++)
+            if (beats(row[c], row[at]))
+                at = c;
+        job->best[panel * job->m + r] = row[at];
+        job->best_at[panel * job->m + r] = at;
+    }
+}
+
+/* Each row's argmax from the panels' maxima, panels in column order. */
+static void reduce_argmax(const linear_job *job, int64_t *out) {
+    for (int64_t r = 0; r < job->m; r++) {
+        int64_t best = r;
+        for (int64_t i = r + job->m; i < panels_of(job->n) * job->m; i += job->m)
+            if (beats(job->best[i], job->best[best]))
+                best = i;
+        out[r] = job->best_at[best];
+    }
+}
+
+static void linear_panel(const linear_job *job, int64_t panel) {
     if (llmc_format_bits(job->format))
         llmc_linear_quant(&job->act, job->packed, job->y, job->n, llmc_format_bits(job->format),
-                          job->zero_points, (int64_t)panel, (int64_t)panel + 1);
+                          job->zero_points, panel, panel + 1);
     else if (job->format != LLMC_FORMAT_FP32)
         llmc_linear_16bit(job->x, job->packed, job->y, job->m, job->k, job->n, job->format == LLMC_FORMAT_BF16,
-                          (int64_t)panel, (int64_t)panel + 1);
+                          panel, panel + 1);
     else if (job->lossless != NULL)
-        llmc_linear_lossless(job->x, job->lossless, job->y, job->m, job->k, job->n, (int64_t)panel,
-                             (int64_t)panel + 1);
+        llmc_linear_lossless(job->x, job->lossless, job->y, job->m, job->k, job->n, panel, panel + 1);
     else
-        llmc_linear_panels(job->x, job->w, job->y, job->m, job->k, job->n, (int64_t)panel, (int64_t)panel + 1);
+        llmc_linear_panels(job->x, job->w, job->y, job->m, job->k, job->n, panel, panel + 1);
+}
+
+static void linear_one(void *arg, size_t panel) {
+    const linear_job *job = arg;
+    linear_panel(job, (int64_t)panel);
+    if (job->best != NULL)
+        panel_argmax(job, (int64_t)panel);
 }
 
 /* The optional last input: the weight in the lossless format (kernels.h), checked against the
@@ -431,7 +467,25 @@ static OrtStatus *linear_compute(void *state, OrtKernelContext *ctx) {
     TRY(weight_data(kernel, &w, &job));
     TRY(output(ctx, 0, dims, x.rank, (void **)&job.y));
     TRY(lossless_input(ctx, op, 2, &job));
-    return run_linear(ctx, op, kernel, &job);
+    size_t outputs;
+    TRY(CALL(ORT_KernelContext_GetOutputCount, ort_get_count_fn, ctx, &outputs));
+    if (outputs < 2)
+        return run_linear(ctx, op, kernel, &job);
+    /* The optional second output, each row's argmax (the LM head's greedy token): taken per panel
+     * by the task that computed it, while in cache, so no one rereads the [m, n] product. */
+    int64_t *argmax;
+    TRY(output(ctx, 1, dims, x.rank - 1, (void **)&argmax));
+    size_t entries = (size_t)(panels_of(job.n) * job.m);
+    scratch buffer;
+    job.best = scratch_get(&buffer, entries * (sizeof *job.best + sizeof *job.best_at));
+    if (job.best == NULL)
+        return error(op, "out of memory for the argmax");
+    job.best_at = (int32_t *)(job.best + entries);
+    OrtStatus *status = run_linear(ctx, op, kernel, &job);
+    if (status == NULL)
+        reduce_argmax(&job, argmax);
+    free(buffer.heap);
+    return status;
 }
 
 /* -- SkipRMSNormMatMul: a residual add and RMSNorm, then PackedMatMul on the normed rows --------- */
@@ -630,6 +684,10 @@ static int32_t linear_input_kind(const OrtCustomOp *op, size_t i) {
     return i == ((const op_description *)op)->lossless ? ORT_OPTIONAL : ORT_REQUIRED;
 }
 
+/* PackedMatMul's optional second output: each row's argmax. */
+static int32_t linear_output_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? ORT_INT64 : ORT_FLOAT; }
+static int32_t linear_output_kind(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? ORT_OPTIONAL : ORT_REQUIRED; }
+
 static const char *op_name(const OrtCustomOp *op) { return ((const op_description *)op)->name; }
 static size_t op_inputs(const OrtCustomOp *op) { return ((const op_description *)op)->inputs; }
 static size_t op_outputs(const OrtCustomOp *op) { return ((const op_description *)op)->outputs; }
@@ -682,8 +740,10 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
                attention_input_type, attention_input_kind);
         attention_op.op.GetOutputType = attention_output_type;
         define(&swiglu_op, "SwiGLU", swiglu_create, swiglu_compute, 1, 1, float_type, required);
-        define(&linear_op, "PackedMatMul", linear_create, linear_compute, 3, 1, linear_input_type,
+        define(&linear_op, "PackedMatMul", linear_create, linear_compute, 3, 2, linear_input_type,
                linear_input_kind);
+        linear_op.op.GetOutputType = linear_output_type;
+        linear_op.op.GetOutputCharacteristic = linear_output_kind;
         define(&norm_linear_op, "SkipRMSNormMatMul", linear_create, norm_linear_compute, 5, 2, linear_input_type,
                linear_input_kind);
         define(&swiglu_linear_op, "SwiGLUMatMul", linear_create, swiglu_linear_compute, 3, 1, linear_input_type,

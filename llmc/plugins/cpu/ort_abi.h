@@ -33,7 +33,7 @@ typedef struct OrtApiBase {
 
 /* Enum values used (ONNXTensorElementDataType, OrtErrorCode, OrtCustomOpInputOutputCharacteristic). */
 /* ORT_UNDEFINED as an input's type lets the input take any type (the GEMMs' weight). */
-enum { ORT_UNDEFINED = 0, ORT_FLOAT = 1, ORT_UINT8 = 2, ORT_INT8 = 3, ORT_UINT16 = 4, ORT_INT32 = 6, ORT_FLOAT16 = 10,
+enum { ORT_UNDEFINED = 0, ORT_FLOAT = 1, ORT_UINT8 = 2, ORT_INT8 = 3, ORT_UINT16 = 4, ORT_INT32 = 6, ORT_INT64 = 7, ORT_FLOAT16 = 10,
        ORT_BFLOAT16 = 16 };
 enum { ORT_INVALID_ARGUMENT = 2 };
 enum { ORT_REQUIRED = 0, ORT_OPTIONAL = 1 };
@@ -63,6 +63,7 @@ typedef OrtStatus *(*ort_attr_float_fn)(const OrtKernelInfo *info, const char *n
 typedef OrtStatus *(*ort_attr_int_fn)(const OrtKernelInfo *info, const char *name, int64_t *out);
 #define ORT_KernelContext_GetInputCount 88
 typedef OrtStatus *(*ort_get_count_fn)(const OrtKernelContext *ctx, size_t *out);
+#define ORT_KernelContext_GetOutputCount 89
 #define ORT_KernelContext_GetInput 90
 typedef OrtStatus *(*ort_get_input_fn)(const OrtKernelContext *ctx, size_t index, const OrtValue **out);
 #define ORT_KernelContext_GetOutput 91
