@@ -123,10 +123,11 @@ class DraftProposer:
             seqs = [self._seqs[r.request_id] for r, _ in step]
             logits = self.engine.forward_rows([Row(s.token_ids[s.num_computed_tokens:], s.num_computed_tokens,
                                                    s.block_table) for s in seqs])
-            for (r, k), s, row in zip(step, seqs, logits):
+            greedy = self.engine.greedy_tokens(logits)  # the graph's argmax, where it has one
+            for i, ((r, k), s, row) in enumerate(zip(step, seqs, logits)):
                 s.num_computed_tokens = len(s.token_ids)
                 if r.params.greedy:
-                    token = int(np.argmax(row))
+                    token = int(np.argmax(row) if greedy is None else greedy[i])
                 else:
                     q = distribution(row, r.params)
                     token = sample_from(q, r.rng)
