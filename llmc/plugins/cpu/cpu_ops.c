@@ -357,9 +357,10 @@ static void panel_argmax(const linear_job *job, int64_t panel) {
 
 /* Each row's argmax from the panels' maxima, panels in column order. */
 static void reduce_argmax(const linear_job *job, int64_t *out) {
+    int64_t entries = panels_of(job->n) * job->m;
     for (int64_t r = 0; r < job->m; r++) {
         int64_t best = r;
-        for (int64_t i = r + job->m; i < panels_of(job->n) * job->m; i += job->m)
+        for (int64_t i = r + job->m; i < entries; i += job->m)
             if (beats(job->best[i], job->best[best]))
                 best = i;
         out[r] = job->best_at[best];
