@@ -13,7 +13,7 @@ import click
 
 from llmc import __version__
 from llmc.compiler.recipes import DEFAULT_RECIPE as DEFAULT_MODEL
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, RequestError
 
 
 class _Group(click.Group):
@@ -195,16 +195,21 @@ def chat(engine, chat_template, system, max_tokens, temperature, top_p, seed, th
             messages = list(start)
             continue
         messages.append({"role": "user", "content": line})
-        ids = template.prompt_ids(llm, messages)
-        room = llm.max_context - len(ids)
+        try:
+            prompt = template.prompt(llm, messages)
+        except RequestError as exc:  # the line cannot be sent (e.g. undecodable input): say so, keep chatting
+            messages.pop()
+            click.echo(f"error: {exc}", err=True)
+            continue
+        room = llm.max_context - len(prompt.ids)
         if room < 1:
             messages.pop()
-            click.echo(f"error: the conversation ({len(ids)} tokens) fills the engine's context of "
+            click.echo(f"error: the conversation ({len(prompt.ids)} tokens) fills the engine's context of "
                        f"{llm.max_context}; /reset to start over", err=True)
             continue
         params = SamplingParams(max_tokens=min(max_tokens, room), temperature=temperature, top_p=top_p,
                                 seed=None if seed is None else seed + len(messages))
-        stream = llm.stream(ids, params)
+        stream = llm.stream(prompt, params)
         for piece in stream:
             click.echo(piece, nl=False)
         click.echo()

@@ -27,3 +27,13 @@ def first_line(exc: BaseException) -> str:
     a library's multi-line error into one of ours."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def check_unicode(text: str, what: str, error: type[LlmcError] = LlmcError, hint: str = "") -> None:
+    """Raise `error` when `text` holds an unpaired surrogate (valid in a Python str, not in Unicode):
+    the tokenizer would reject it with a TypeError that names neither the text nor the fix."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise error(f"{what} has an unpaired surrogate {text[exc.start]!r} at index {exc.start}, which is not "
+                    f"valid Unicode; remove it{f' ({hint})' if hint else ''}") from None

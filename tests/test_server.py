@@ -166,9 +166,92 @@ def test_bad_requests_get_400_naming_the_field(server, body, param, fragment):
     assert error["error"]["type"] == "invalid_request_error"
 
 
-def test_chat_with_a_bad_role_is_400(server):
-    status, error, _ = server.post("/v1/chat/completions", '{"messages": [{"role": "robot", "content": "hi"}]}')
-    assert status == 400 and error["error"]["param"].startswith("messages")
+@pytest.mark.parametrize("messages,fragment", [
+    ('[{"role": "robot", "content": "hi"}]', "Input should be"),
+    ('[{"role": "user", "content": "hi"}, {"role": "user", "content": "a\\ud800"}]',
+     "messages[1].content has an unpaired surrogate '\\ud800' at index 1"),
+])
+def test_bad_chat_messages_are_400(server, messages, fragment):
+    status, error, _ = server.post("/v1/chat/completions", '{"messages": ' + messages + '}')
+    assert status == 400 and error["error"]["param"].startswith("messages") and fragment in error["error"]["message"]
+
+
+def _fuzzed_bodies(count: int, seed: int):
+    """(path, raw body) pairs: valid requests with fields overwritten, mostly by values of the field's
+    own type at and past its limits, else by any JSON (wrong types, NaN and infinities, huge
+    numbers, lone surrogates, nesting); plus truncated JSON and bodies that are not objects."""
+    rng = np.random.default_rng(seed)
+
+    def pick(options):
+        return options[rng.integers(len(options))]
+
+    ints = [-1, 0, 1, 2, 5, 16, 17, 20, 21, 255, 8191, 8192, 2 ** 31, 2 ** 63]
+    floats = [-0.1, 0.0, 1e-9, 0.5, 1.0, 2.0, 2.5, 1e308, float("nan"), float("inf")]
+    texts = ["", "a", "\n", "def", "\x00", "\ud800", "<|endoftext|>", "é" * 30, "x " * 400]
+    typed = {
+        "max_tokens": lambda: pick(ints), "top_k": lambda: pick(ints), "seed": lambda: pick(ints),
+        "n": lambda: pick(ints), "logprobs": lambda: pick([*ints, True, False]), "top_logprobs": lambda: pick(ints),
+        "temperature": lambda: pick(floats), "top_p": lambda: pick(floats),
+        "stream": lambda: pick([True, False]), "ignore_eos": lambda: pick([True, False]),
+        "stream_options": lambda: {"include_usage": pick([True, False])},
+        "stop": lambda: pick(texts) if rng.random() < 0.3 else [pick(texts) for _ in range(rng.integers(6))],
+        "prompt": lambda: pick(texts) if rng.random() < 0.5 else rng.integers(-2, 8200, rng.integers(4)).tolist(),
+        "messages": lambda: [{"role": pick(["system", "user", "assistant", "tool", "robot"]), "content": pick(texts)}
+                             for _ in range(rng.integers(4))],
+        "model": lambda: pick(["code", "other", ""]),
+    }
+    scalars = [None, True, 0, -1, 2 ** 63, 0.5, float("nan"), "", "\ud800", "x" * 2000]
+
+    def junk(depth=0):
+        kind = rng.integers(3 if depth < 2 else 1)
+        if kind == 0:
+            return pick(scalars)
+        if kind == 1:
+            return [junk(depth + 1) for _ in range(rng.integers(4))]
+        return {pick(["role", "content", "include_usage"]): junk(depth + 1) for _ in range(rng.integers(3))}
+
+    valid = {"/v1/completions": {"prompt": "def f(x):", "max_tokens": 4},
+             "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
+    for _ in range(count):
+        path = pick(list(valid))
+        body = dict(valid[path]) if rng.random() < 0.8 else {}
+        for _ in range(rng.integers(1, 4)):
+            field = pick(list(typed))
+            body[field] = typed[field]() if rng.random() < 0.85 else junk()
+        if type(body.get("max_tokens")) is int:
+            body["max_tokens"] = min(body["max_tokens"], 8)  # keep the valid ones short
+        raw = json.dumps(body, allow_nan=True).encode()
+        form = rng.integers(12)
+        if form == 0:
+            raw = raw[:rng.integers(1, len(raw))]
+        elif form == 1:
+            raw = pick([b"", b"null", b"[]", b"42", b"\xff\xfe{", b'"text"'])
+        yield path, raw
+
+
+def test_any_bad_request_gets_an_error_body_and_disturbs_nothing(server, local):
+    """Fuzzed bodies: every answer is 200 or a 400 in OpenAI's error shape, streams that start end
+    with [DONE], and afterwards the server answers as before with every KV block free."""
+    statuses = Counter()
+    for path, raw in _fuzzed_bodies(400, seed=0):
+        req = urllib.request.Request(server.url + path, data=raw, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                status, text = r.status, r.read().decode()
+            if r.headers.get_content_type() == "text/event-stream":
+                assert text.rstrip().endswith("data: [DONE]"), (raw, text[-200:])
+        except urllib.error.HTTPError as exc:
+            status, text = exc.code, exc.read().decode()
+            assert status == 400, (raw, status, text)
+            error = json.loads(text)
+            assert error["error"]["type"] == "invalid_request_error" and error["error"]["message"], (raw, error)
+        statuses[status] += 1
+    assert statuses[200] >= 20 and statuses[400] >= 100, statuses  # both kinds were exercised
+    r = _client(server).completions.create(model="code", prompt="def f(x):", max_tokens=12, temperature=0)
+    assert r.choices[0].text == local.generate("def f(x):", SamplingParams(max_tokens=12)).text
+    key = (("model_name", "code"),)
+    after = server.metrics()
+    assert after[("vllm:num_requests_running", key)] == 0 and after[("vllm:kv_cache_usage_perc", key)] == 0.0
 
 
 def test_64_streams_with_random_disconnects_leave_the_rest_identical_and_the_pool_whole(server, local):

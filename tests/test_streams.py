@@ -12,7 +12,9 @@ import random
 
 import pytest
 
+from llmc.errors import RequestError
 from llmc.runtime.async_llm import AsyncLLM
+from llmc.runtime.llm import LONG_TEXT
 from llmc.runtime.sampling import SamplingParams
 
 TIMEOUT = 30  # seconds; each workload takes about one
@@ -190,3 +192,30 @@ def test_engine_failure_ends_streams_including_ones_finished_in_the_failed_step(
     short, long = _run(main)
     assert short.finish_reason == "length" and len(short.token_ids) == 1
     assert long.finish_reason == "error" and "scheduler exploded" in long.error
+
+
+def test_a_long_prompt_tokenizes_off_the_loop_and_outside_the_engine_lock(llama_engine):
+    """Tokenizing megabytes takes seconds: the event loop (other streams' deliveries) and the engine
+    thread (which needs the lock to step) must not wait for it. Short prompts stay inline."""
+    engine = AsyncLLM(llama_engine)
+    seen = []
+    tokenize = engine.llm.tokenize
+
+    def spy(prompt):
+        seen.append((len(prompt), threading.current_thread() is threading.main_thread(), engine._lock.locked()))
+        return tokenize(prompt)
+
+    engine.llm.tokenize = spy
+    long_text = "a b " * (LONG_TEXT // 4 + 1)
+
+    async def main():
+        with pytest.raises(RequestError, match="max context"):
+            await engine.add_request(long_text, SamplingParams(max_tokens=2))
+        stream = await engine.add_request("short", SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len([out async for out in stream]) == 2
+        await _settle(engine)
+
+    _run(main)
+    assert seen == [(len(long_text), False, False), (5, True, False)]
+    # the long path (encode_batch, which releases the GIL) gives the ids the short one does
+    assert engine.llm.encode(long_text) == engine.llm.tokenizer.encode(long_text).ids

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from llmc.errors import LlmcError, first_line
+from llmc.errors import LlmcError, check_unicode, first_line
 
 CORPORA = ("heldout",)
 DEFAULT_CHUNK = 512  # tokens per engine call within a window: bounds the logits held at once
@@ -180,11 +180,7 @@ def _sources(text: str | None, file: str | Path | None, corpus: str | None) -> t
             raise LlmcError(f"text must be a str, got {type(text).__name__}")
         if not text:
             raise LlmcError("the text is empty; pass a text of at least two tokens")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate, which the tokenizer rejects with a TypeError
-            raise LlmcError(f"the text has an unpaired surrogate {text[exc.start]!r} at index {exc.start}, which is "
-                            "not valid Unicode; remove it") from None
+        check_unicode(text, "the text")
         return "text", [("text", text)]
     if file is not None:
         path = Path(file)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import AsyncIterator, Sequence
 
 from llmc.errors import first_line
-from llmc.runtime.llm import LLM
+from llmc.runtime.llm import LLM, LONG_TEXT, Prompt
 from llmc.runtime.request import RequestOutput
 from llmc.runtime.sampling import SamplingParams
 
@@ -44,10 +44,12 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # where step results are delivered
 
-    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    async def add_request(self, prompt: str | Sequence[int] | Prompt, params: SamplingParams | None = None,
                           request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request (validation errors raise here) and return its stream of outputs.
         Closing the stream before its final snapshot aborts the request."""
+        if not isinstance(prompt, Prompt):
+            prompt = await self.tokenize(prompt)
         with self._lock:  # output() is None once the request finished: take it before a step can run
             rid = self.llm.add_request(prompt, params, request_id)
             stream = self._streams[rid] = _Stream(self.llm.output(rid))
@@ -57,6 +59,13 @@ class AsyncLLM:
             self._thread.start()
         self._wake.set()
         return self._outputs(rid, stream)
+
+    async def tokenize(self, prompt: str | Sequence[int]) -> Prompt:
+        """LLM.tokenize, in a worker thread when the text is long: megabytes take seconds, for which
+        neither the event loop nor the engine thread should wait."""
+        if isinstance(prompt, str) and len(prompt) >= LONG_TEXT:
+            return await asyncio.to_thread(self.llm.tokenize, prompt)
+        return self.llm.tokenize(prompt)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; its stream ends with an "abort" snapshot. False if

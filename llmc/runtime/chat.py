@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.errors import LlmcError, RequestError, first_line
+from llmc.errors import LlmcError, RequestError, check_unicode, first_line
+from llmc.runtime.llm import Prompt
 
 
 class ChatTemplate:
@@ -36,9 +37,15 @@ class ChatTemplate:
         except OSError as exc:
             raise LlmcError(f"cannot read chat template {path} ({first_line(exc)})") from None
 
-    def prompt_ids(self, llm, messages: list[dict]) -> list[int]:
+    def prompt(self, llm, messages: list[dict]) -> Prompt:
+        """The messages rendered and tokenized: a RequestError says what is wrong with them."""
+        for i, message in enumerate(messages):
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_unicode(value, f"messages[{i}].{key}", RequestError)
         try:
             text = self.template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
         except Exception as exc:  # the template's own raise_exception, or a message it cannot handle
             raise RequestError(f"the chat template cannot render these messages ({first_line(exc)})") from None
-        return llm.tokenizer.encode(text, add_special_tokens=False).ids
+        check_unicode(text, "the rendered chat prompt", RequestError)  # a surrogate from deeper in a message
+        return Prompt(text, llm.encode(text, add_special_tokens=False))

@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from llmc.contract.engine_dir import open_engine, read_eos_token_ids
 from llmc.contract.options import RuntimeOptions
 from llmc.contract.tuning import read_tuning
-from llmc.errors import RequestError, first_line
+from llmc.errors import RequestError, check_unicode, first_line
 from llmc.runtime.engine import Row, load_engine
 from llmc.runtime.kv_cache import BlockManager, blocks_for
 from llmc.runtime.request import Request, RequestOutput
@@ -26,7 +26,16 @@ from llmc.runtime.sampling import Sampler, SamplingParams, token_logprob, verify
 from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.speculative import make_speculator
 
-__all__ = ["LLM", "RequestOutput", "Stream"]
+__all__ = ["LLM", "Prompt", "RequestOutput", "Stream"]
+
+# Texts from this many characters up are tokenized with the GIL released (see LLM.encode).
+LONG_TEXT = 10_000
+
+
+class Prompt(NamedTuple):
+    """A prompt checked and tokenized (LLM.tokenize): its text (None when given as ids) and ids."""
+    text: str | None
+    ids: list[int]
 
 
 class Stream:
@@ -75,8 +84,10 @@ class LLM:
     def max_context(self) -> int:
         return self.engine.max_context
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) >= LONG_TEXT:  # encode holds the GIL throughout (seconds for megabytes); encode_batch does not
+            return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     # -- request lifecycle ------------------------------------------------------------------
 
@@ -176,7 +187,9 @@ class LLM:
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None):
         """Run prompts in flight together; one prompt returns a RequestOutput, many a list."""
-        if isinstance(prompts, np.ndarray):
+        if isinstance(prompts, Prompt):
+            single = True
+        elif isinstance(prompts, np.ndarray):
             single = prompts.ndim != 2  # a 2-D array is a batch of token-id rows
         elif isinstance(prompts, (list, tuple)):  # a batch, unless it is one prompt of (would-be) token ids
             single = len(prompts) > 0 and isinstance(prompts[0], (int, float, np.number, np.bool_))
@@ -218,7 +231,11 @@ class LLM:
                       arrival_time: float | None = None) -> Request:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = prompt if isinstance(prompt, Prompt) else self.tokenize(prompt)
+        limit = self.max_context
+        if len(ids) >= limit:
+            raise RequestError(f"prompt is {len(ids)} tokens but the engine's max context is {limit}; "
+                               "shorten the prompt or rebuild with a larger --max-context")
         vocab = self.engine.spec.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None and text is not None:  # the tokenizer knows tokens the model has no embedding for
@@ -226,10 +243,6 @@ class LLM:
                                f"outside the model's vocabulary (0..{vocab - 1}); remove it from the prompt")
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        limit = self.max_context
-        if len(ids) >= limit:
-            raise RequestError(f"prompt is {len(ids)} tokens but the engine's max context is {limit}; "
-                               "shorten the prompt or rebuild with a larger --max-context")
         if len(ids) + params.max_tokens > limit:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                f"engine's max context {limit}; lower max_tokens to {limit - len(ids)} or less")
@@ -247,18 +260,18 @@ class LLM:
         return Request(str(request_id), self._next_order, text, ids, params, self.tokenizer, self.eos_ids,
                        arrival_time)
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt; anything else is a RequestError saying what a prompt may be."""
+    def tokenize(self, prompt: str | Sequence[int]) -> Prompt:
+        """The prompt checked and tokenized, for add_request/generate/stream to take as it is (so a
+        server can tokenize off its event loop); anything else is a RequestError saying what a
+        prompt may be. Thread-safe: it reads nothing that steps change."""
+        if isinstance(prompt, Prompt):
+            return prompt
         forms = "a prompt may be a non-empty str, or a non-empty list of int token ids"
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty; pass at least one character of text")
-            try:
-                prompt.encode()
-            except UnicodeEncodeError as exc:  # a lone surrogate, which the tokenizer rejects with a TypeError
-                raise RequestError(f"prompt has an unpaired surrogate {prompt[exc.start]!r} at index {exc.start}, "
-                                   f"which is not valid Unicode; remove it ({forms})") from None
-            return prompt, self.encode(prompt)
+            check_unicode(prompt, "prompt", RequestError, forms)
+            return Prompt(prompt, self.encode(prompt))
         if isinstance(prompt, (bytes, bytearray)):  # a sequence of ints: it would run as one token id per byte
             raise RequestError(f"prompt is {type(prompt).__name__}; decode it to a str first ({forms})")
         if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu":
@@ -275,7 +288,7 @@ class LLM:
             raise RequestError(f"prompt is {kind}; {forms}")
         if not ids:
             raise RequestError("prompt is empty; pass at least one token id")
-        return None, ids
+        return Prompt(None, ids)
 
     def _deltas(self, request: Request) -> Iterator[str]:
         try:

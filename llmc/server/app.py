@@ -10,6 +10,7 @@ naming the field, without touching the others.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import time
@@ -26,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from llmc.errors import RequestError, first_line
 from llmc.runtime.async_llm import AsyncLLM
 from llmc.runtime.chat import ChatTemplate
+from llmc.runtime.llm import LONG_TEXT, Prompt
 from llmc.runtime.request import RequestOutput
 from llmc.server.prometheus import ServerMetrics
 from llmc.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling, error_body
@@ -73,7 +75,7 @@ class _Server:
 
     # -- a request: n streams ------------------------------------------------------------------
 
-    async def start(self, body: _Sampling, prompt: str | list[int], default_max_tokens) -> tuple[str, list]:
+    async def start(self, body: _Sampling, prompt: str | list[int] | Prompt, default_max_tokens) -> tuple[str, list]:
         engine = self.ready()
         waiting = len(engine.llm.scheduler.waiting)
         if waiting + body.n > self.max_waiting:
@@ -83,6 +85,7 @@ class _Server:
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = []
         try:
+            prompt = await engine.tokenize(prompt)  # once for all n choices
             for i in range(body.n):
                 params = body.sampling(i, default_max_tokens)
                 streams.append(await engine.add_request(prompt, params, request_id=f"{rid}-{i}"))
@@ -207,11 +210,14 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
             raise HttpError(400, "this engine has no chat template; start the server with --chat-template FILE",
                             "messages")
         llm = engine.llm
-        try:
-            ids = server.template.prompt_ids(llm, [m.model_dump(exclude_none=True) for m in body.messages])
+        render = functools.partial(server.template.prompt, llm, [m.model_dump(exclude_none=True)
+                                                                 for m in body.messages])
+        try:  # a long conversation tokenizes off the loop, as AsyncLLM.tokenize does a long prompt
+            long = sum(len(m.content or "") for m in body.messages) >= LONG_TEXT
+            prompt = await asyncio.to_thread(render) if long else render()
         except RequestError as exc:
             raise HttpError(400, str(exc), "messages") from None
-        rid, streams = await server.start(body, ids, max(1, llm.max_context - len(ids)))
+        rid, streams = await server.start(body, prompt, max(1, llm.max_context - len(prompt.ids)))
         return await _respond(server, request, body, rid, streams, chat=True)
 
     return app
