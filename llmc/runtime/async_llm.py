@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import threading
 from pathlib import Path
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from llmc.errors import first_line
 from llmc.runtime.llm import LLM, LONG_TEXT, Prompt
@@ -48,8 +49,7 @@ class AsyncLLM:
                           request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request (validation errors raise here) and return its stream of outputs.
         Closing the stream before its final snapshot aborts the request."""
-        if not isinstance(prompt, Prompt):
-            prompt = await self.tokenize(prompt)
+        prompt = await self.tokenize(prompt)
         with self._lock:  # output() is None once the request finished: take it before a step can run
             rid = self.llm.add_request(prompt, params, request_id)
             stream = self._streams[rid] = _Stream(self.llm.output(rid))
@@ -60,12 +60,10 @@ class AsyncLLM:
         self._wake.set()
         return self._outputs(rid, stream)
 
-    async def tokenize(self, prompt: str | Sequence[int]) -> Prompt:
-        """LLM.tokenize, in a worker thread when the text is long: megabytes take seconds, for which
-        neither the event loop nor the engine thread should wait."""
-        if isinstance(prompt, str) and len(prompt) >= LONG_TEXT:
-            return await asyncio.to_thread(self.llm.tokenize, prompt)
-        return self.llm.tokenize(prompt)
+    async def tokenize(self, prompt: str | Sequence[int] | Prompt) -> Prompt:
+        """LLM.tokenize, off the loop when the text is long (see `tokenizing`)."""
+        return await tokenizing(functools.partial(self.llm.tokenize, prompt),
+                                len(prompt) if isinstance(prompt, str) else 0)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; its stream ends with an "abort" snapshot. False if
@@ -159,6 +157,13 @@ class AsyncLLM:
             stream.queue.put_nowait(out)
             if out.finished:
                 del self._streams[out.request_id]
+
+
+async def tokenizing(call: Callable[[], Prompt], chars: int) -> Prompt:
+    """call(), which tokenizes `chars` characters: in a worker thread from LONG_TEXT up, since
+    megabytes take seconds, for which neither the event loop nor the engine thread should wait."""
+    return await asyncio.to_thread(call) if chars >= LONG_TEXT else call()
+
 
 def _copy(out: RequestOutput) -> RequestOutput:
     """A snapshot of a live output: its lists go on growing in the engine thread."""

@@ -25,9 +25,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmc.errors import RequestError, first_line
-from llmc.runtime.async_llm import AsyncLLM
+from llmc.runtime.async_llm import AsyncLLM, tokenizing
 from llmc.runtime.chat import ChatTemplate
-from llmc.runtime.llm import LONG_TEXT, Prompt
+from llmc.runtime.llm import Prompt
 from llmc.runtime.request import RequestOutput
 from llmc.server.prometheus import ServerMetrics
 from llmc.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling, error_body
@@ -212,9 +212,8 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
         llm = engine.llm
         render = functools.partial(server.template.prompt, llm, [m.model_dump(exclude_none=True)
                                                                  for m in body.messages])
-        try:  # a long conversation tokenizes off the loop, as AsyncLLM.tokenize does a long prompt
-            long = sum(len(m.content or "") for m in body.messages) >= LONG_TEXT
-            prompt = await asyncio.to_thread(render) if long else render()
+        try:
+            prompt = await tokenizing(render, sum(len(m.content or "") for m in body.messages))
         except RequestError as exc:
             raise HttpError(400, str(exc), "messages") from None
         rid, streams = await server.start(body, prompt, max(1, llm.max_context - len(prompt.ids)))
