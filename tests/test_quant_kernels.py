@@ -262,8 +262,10 @@ print(worst)
 """
 
 
-def test_the_plain_c_path_matches_the_reference():
-    """LLMC_CPU_PLAIN=1 makes the library take its plain C path (for CPUs without AVX2)."""
-    env = dict(os.environ, LLMC_CPU_PLAIN="1")
+@pytest.mark.parametrize("switch", ["LLMC_CPU_PLAIN", "LLMC_CPU_NO_VNNI"])
+def test_the_other_paths_match_the_reference(switch):
+    """LLMC_CPU_PLAIN=1 makes the library take its plain C path (for CPUs without AVX2),
+    LLMC_CPU_NO_VNNI=1 its AVX2 tile where the CPU has AVX-512 VNNI."""
+    env = dict(os.environ, **{switch: "1"})
     out = subprocess.run([sys.executable, "-c", PLAIN], env=env, capture_output=True, text=True, check=True)
     assert float(out.stdout.strip()) < 1e-5

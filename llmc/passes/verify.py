@@ -63,6 +63,18 @@ def _kv_dtype(model: ir.Model) -> str:
     return {code: name for name, code in kv_layout.ELEMENT_TYPES.items()}.get(value.dtype.value, "fp32")
 
 
+def _storage_step(values: np.ndarray, dtype: str) -> np.ndarray:
+    """The gap between stored neighbours at each of `values` (float32, token-major [2, N, bs, H, D])
+    in a pool of `dtype`: 0 for fp32; an int8 pool's step is its token and head's scale."""
+    if dtype == "fp32":
+        return np.zeros_like(values)
+    if dtype == "int8":
+        return values.max(axis=-1, keepdims=True) / 127.0
+    mantissa = {"fp16": 10, "bf16": 7}[dtype]
+    exponent = np.floor(np.log2(np.maximum(values, np.finfo(np.float32).tiny)))
+    return np.exp2(exponent - mantissa).astype(np.float32)
+
+
 def _run(sess, feeds: dict) -> dict[str, np.ndarray]:
     """The session's outputs for `feeds`, through IOBinding so pools of any dtype (bfloat16 has
     no numpy type ORT converts) go in, and come back as new arrays of the pool's type."""
@@ -188,7 +200,10 @@ def compare(before: ir.Model, after: ir.Model, spec: ModelSpec, block_size: int,
         for name in caches[0]:  # compared token-major, but for the scratch block padding writes in any order
             pools = [np.delete(kv_layout.to_token_major(caches[k][name], layouts[k], dtypes[k], head_dim=spec.head_dim),
                                io.SCRATCH_BLOCK, axis=1) for k in (0, 1)]
-            diffs.append(float(np.abs(pools[0] - pools[1]).max()))
+            # fp32 sums in another order may round a stored value to its neighbour: one step of
+            # the pool's storage is not the pass's error.
+            slack = _storage_step(np.maximum(np.abs(pools[0]), np.abs(pools[1])), dtypes[1])
+            diffs.append(float(np.maximum(np.abs(pools[0] - pools[1]) - slack, 0.0).max()))
     worst = max(diffs)
     if not worst <= atol:
         raise PassVerificationError(f"outputs differ by {worst:.3g} (> {atol:g}) after the pass")

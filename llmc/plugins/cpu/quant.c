@@ -362,8 +362,8 @@ static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t 
 }
 
 /* One format's panels [p0, p1): the tile specialized per (rows, format) at compile time. */
-#define QUANT_PANELS(NAME, BITS, ZP)                                                                      \
-    static AVX2 void NAME(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int64_t p0, int64_t p1) { \
+#define QUANT_PANELS(NAME, TILE, TARGET, BITS, ZP)                                                                      \
+    static TARGET void NAME(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int64_t p0, int64_t p1) { \
         float tail[ONE_PASS_ROWS * LLMC_PANEL];                                                           \
         const int64_t bytes = (a->k / a->block) * llmc_quant_block_bytes(BITS, a->block, ZP);             \
         const int once = a->m <= ONE_PASS_ROWS;                                                           \
@@ -375,9 +375,9 @@ static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t 
                 float *out = width == LLMC_PANEL ? y + r * n + col : tail;                                \
                 int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;                                    \
                 if (rows == 2)                                                                            \
-                    quant_tile(a, r, panel, out, stride, 2, BITS, ZP, once);                              \
+                    TILE(a, r, panel, out, stride, 2, BITS, ZP, once);                              \
                 else                                                                                      \
-                    quant_tile(a, r, panel, out, stride, 1, BITS, ZP, once);                              \
+                    TILE(a, r, panel, out, stride, 1, BITS, ZP, once);                              \
                 if (width != LLMC_PANEL)                                                                  \
                     for (int64_t i = 0; i < rows; i++)                                                    \
                         memcpy(y + (r + i) * n + col, tail + i * LLMC_PANEL, (size_t)width * sizeof(float)); \
@@ -385,17 +385,158 @@ static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t 
             }                                                                                             \
         }                                                                                                 \
     }
-QUANT_PANELS(int4_sym, 4, 0)
-QUANT_PANELS(int4_asym, 4, 1)
-QUANT_PANELS(int8_sym, 8, 0)
-QUANT_PANELS(int8_asym, 8, 1)
-QUANT_PANELS(int6_sym, 6, 0)
-QUANT_PANELS(int6_asym, 6, 1)
+QUANT_PANELS(int4_sym, quant_tile, AVX2, 4, 0)
+QUANT_PANELS(int4_asym, quant_tile, AVX2, 4, 1)
+QUANT_PANELS(int8_sym, quant_tile, AVX2, 8, 0)
+QUANT_PANELS(int8_asym, quant_tile, AVX2, 8, 1)
+QUANT_PANELS(int6_sym, quant_tile, AVX2, 6, 0)
+QUANT_PANELS(int6_asym, quant_tile, AVX2, 6, 1)
 
-/* AVX-512 VNNI would go here: vpdpbusd (u8 x s8 -> s32 in one instruction) on 16-column zmm
- * vectors of the same 4-k groups (a 512-bit vector is 16 columns x 4 k), dispatched on
- * __builtin_cpu_supports("avx512vnni") ahead of the AVX2 tile. Not written: this machine has
- * neither AVX-512 nor VNNI to run it. AVX-VNNI (vpdpbusd on ymm) would slot in the same way. */
+/* -- AVX-512 VNNI ------------------------------------------------------------------------------ */
+
+/* The same panels with vpdpbusd: u8 x s8 products of 4 k steps summed into int32 in one
+ * instruction, 16 columns a zmm, so a 4-k group of 32 columns is two instructions a row.
+ * - int4/int6: one 64-byte load holds the group; its low nibbles are columns 0-7 and 16-23 (the
+ *   two 32-byte halves), its high nibbles 8-15 and 24-31. The accumulators keep that order and
+ *   the scales and offsets are loaded in it.
+ * - int8: each weight byte XOR 0x80 is w + 128 as an unsigned byte, so the offset is the zero
+ *   point plus 128 (at most 255 * 127 * 128 < 2^24 a block: exact in float, as above).
+ * int32 sums cannot overflow within a block, so every format takes a whole block before its
+ * offset and scale are applied. */
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* The CPU has AVX-512 VNNI and LLMC_CPU_NO_VNNI=1 (which the tests also run) does not ask for the
+ * AVX2 tile instead. */
+static int llmc_vnni(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        const char *off = getenv("LLMC_CPU_NO_VNNI");
+        cached = llmc_avx2() && !(off != NULL && off[0] == '1') && __builtin_cpu_supports("avx512f") &&
+                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                 __builtin_cpu_supports("avx512vnni");
+    }
+    return cached;
+}
+
+/* 16 float16 values from two 8-value runs at a and b, widened. */
+static inline __attribute__((always_inline)) VNNI __m512 halves_at(const uint8_t *a, const uint8_t *b) {
+    __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                        _mm_loadu_si128((const __m128i *)b), 1);
+    return _mm512_cvtph_ps(h);
+}
+
+/* 16 int8 values from two 8-value runs at a and b, as floats. */
+static inline __attribute__((always_inline)) VNNI __m512 bytes_at(const uint8_t *a, const uint8_t *b) {
+    __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+
+static inline __attribute__((always_inline)) VNNI __m256 upper_half(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact *a, int64_t row0,
+                                                                 const uint8_t *panel, float *out,
+                                                                 int64_t out_stride, const int R, const int bits,
+                                                                 const int zp, const int once) {
+    const int64_t k = a->k, B = a->block, nb = k / B, gb = group_bytes(bits);
+    const int64_t bb = llmc_quant_block_bytes(bits, B, zp);
+    const int8_t *xq[R];
+    for (int r = 0; r < R; r++)
+        xq[r] = a->q + (row0 + r) * k;
+    __m512 acc[R][2];
+    for (int r = 0; r < R; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), flip = _mm512_set1_epi8((char)0x80);
+    /* Column runs of 8 in accumulator order: which 8-column runs the two zmm hold. */
+    const int lo0 = 0, lo1 = bits == 8 ? 8 : 16, hi0 = bits == 8 ? 16 : 8, hi1 = 24;
+    const uint8_t *blk = panel;
+    for (int64_t b = 0; b < nb; b++, blk += bb) {
+        const uint8_t *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
+        if (once) {
+            PREFETCH_ONCE(blk + QUANT_AHEAD);
+            PREFETCH_ONCE(blk + QUANT_AHEAD + 64);
+        } else {
+            PREFETCH(blk + QUANT_AHEAD);
+            PREFETCH(blk + QUANT_AHEAD + 64);
+        }
+        __m512i dot[R][2];
+        for (int r = 0; r < R; r++)
+            dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+        for (int64_t g = 0; g < B / 4; g++) {
+            const uint8_t *gp = wq + g * gb;
+            if (once)
+                PREFETCH_ONCE(gp + QUANT_AHEAD);
+            else
+                PREFETCH(gp + QUANT_AHEAD);
+            __m512i w0, w1;
+            if (bits == 8) {
+                if (once)
+                    PREFETCH_ONCE(gp + QUANT_AHEAD + 64);
+                else
+                    PREFETCH(gp + QUANT_AHEAD + 64);
+                w0 = _mm512_xor_si512(_mm512_loadu_si512(gp), flip);
+                w1 = _mm512_xor_si512(_mm512_loadu_si512(gp + 64), flip);
+            } else {
+                __m512i v = _mm512_loadu_si512(gp);
+                w0 = _mm512_and_si512(v, nibble);
+                w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                if (bits == 6) {
+                    /* The high 2 bits of column run j sit at bits 2j of the third vector: runs 0
+                     * and 2 go with w0's halves, 1 and 3 with w1's, each shifted to bits 4-5. */
+                    __m256i h = _mm256_loadu_si256((const __m256i *)(gp + 64));
+                    __m512i h0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_slli_epi16(h, 4)), h, 1);
+                    __m512i h1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_slli_epi16(h, 2)),
+                                                    _mm256_srli_epi16(h, 2), 1);
+                    w0 = _mm512_or_si512(w0, _mm512_and_si512(h0, top));
+                    w1 = _mm512_or_si512(w1, _mm512_and_si512(h1, top));
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xq[r] + b * B + g * 4, sizeof four);
+                __m512i xb = _mm512_set1_epi32(four);
+                dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xb);
+                dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xb);
+            }
+        }
+        /* The block's scales and offsets in accumulator order, then each row's share. */
+        __m512 scale[2] = {halves_at(blk + 2 * lo0, blk + 2 * lo1), halves_at(blk + 2 * hi0, blk + 2 * hi1)};
+        __m512 offset[2];
+        const float base = bits == 8 ? 128.0f : 0.0f;
+        if (zp) {
+            const uint8_t *z = blk + QUANT_HEADER;
+            offset[0] = _mm512_add_ps(bytes_at(z + lo0, z + lo1), _mm512_set1_ps(base));
+            offset[1] = _mm512_add_ps(bytes_at(z + hi0, z + hi1), _mm512_set1_ps(base));
+        } else
+            offset[0] = offset[1] = _mm512_set1_ps(base + stored_offset(bits));
+        for (int r = 0; r < R; r++) {
+            const float *sums = a->sum + (row0 + r) * (k / SUB) + b * (B / SUB);
+            float xs = 0.0f;
+            for (int64_t s = 0; s < B / SUB; s++)
+                xs += sums[s];
+            __m512 sx = _mm512_set1_ps(a->scale[(row0 + r) * nb + b]), xsv = _mm512_set1_ps(xs);
+            for (int j = 0; j < 2; j++) {
+                __m512 d = _mm512_fnmadd_ps(offset[j], xsv, _mm512_cvtepi32_ps(dot[r][j]));
+                acc[r][j] = _mm512_fmadd_ps(d, _mm512_mul_ps(scale[j], sx), acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *o = out + r * out_stride;
+        _mm256_storeu_ps(o + lo0, _mm512_castps512_ps256(acc[r][0]));
+        _mm256_storeu_ps(o + lo1, upper_half(acc[r][0]));
+        _mm256_storeu_ps(o + hi0, _mm512_castps512_ps256(acc[r][1]));
+        _mm256_storeu_ps(o + hi1, upper_half(acc[r][1]));
+    }
+}
+
+QUANT_PANELS(int4_sym_vnni, vnni_tile, VNNI, 4, 0)
+QUANT_PANELS(int4_asym_vnni, vnni_tile, VNNI, 4, 1)
+QUANT_PANELS(int8_sym_vnni, vnni_tile, VNNI, 8, 0)
+QUANT_PANELS(int8_asym_vnni, vnni_tile, VNNI, 8, 1)
+QUANT_PANELS(int6_sym_vnni, vnni_tile, VNNI, 6, 0)
+QUANT_PANELS(int6_asym_vnni, vnni_tile, VNNI, 6, 1)
 
 /* Rows [0, R) of x times one 16-bit panel: the fp32 tile with a conversion after each load. */
 static inline __attribute__((always_inline)) AVX2 void half_tile(const float *restrict x,
@@ -475,6 +616,15 @@ void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_
 void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int bits, int zero_points,
                        int64_t p0, int64_t p1) {
 #if HAVE_AVX2_PATH
+    if (llmc_vnni()) {
+        if (bits == 4)
+            (zero_points ? int4_asym_vnni : int4_sym_vnni)(a, w, y, n, p0, p1);
+        else if (bits == 6)
+            (zero_points ? int6_asym_vnni : int6_sym_vnni)(a, w, y, n, p0, p1);
+        else
+            (zero_points ? int8_asym_vnni : int8_sym_vnni)(a, w, y, n, p0, p1);
+        return;
+    }
     if (llmc_avx2()) {
         if (bits == 4)
             (zero_points ? int4_asym : int4_sym)(a, w, y, n, p0, p1);
