@@ -34,6 +34,9 @@
 #endif
 #define HALF_AHEAD 8192     /* the 16-bit tile's: half the fp32 tile's 16 KB, the same k steps ahead */
 #define ONE_PASS_ROWS 2     /* rows per tile: more rows take another pass over the panel, from cache */
+#ifndef VNNI_ROWS
+#define VNNI_ROWS 4 /* the VNNI tile's: 32 zmm registers hold 4 rows' accumulators */
+#endif
 
 static int64_t group_bytes(int bits) { return (bits == 8 ? 4 : bits == 6 ? 3 : 2) * LLMC_PANEL; }
 /* What a symmetric format stores each q plus, so the kernel's weight operand is unsigned. */
@@ -216,13 +219,8 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
     const uint8_t *blk = panel;
     for (int64_t b = 0; b < nb; b++, blk += bb) {
         const uint8_t *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
-        if (once) {
-            PREFETCH_ONCE(blk + QUANT_AHEAD);
-            PREFETCH_ONCE(blk + QUANT_AHEAD + 64);
-        } else {
-            PREFETCH(blk + QUANT_AHEAD);
-            PREFETCH(blk + QUANT_AHEAD + 64);
-        }
+        PREFETCH_FOR(once, blk + QUANT_AHEAD);
+        PREFETCH_FOR(once, blk + QUANT_AHEAD + 64);
         for (int64_t s0 = 0; s0 < B; s0 += span) {
             __m256i dot[R][4];
             for (int r = 0; r < R; r++)
@@ -230,20 +228,14 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
                     dot[r][j] = _mm256_setzero_si256();
             for (int64_t g = s0 / 4; g < (s0 + span) / 4; g++) {
                 const uint8_t *gp = wq + g * gb;
-                if (once)
-                    PREFETCH_ONCE(gp + QUANT_AHEAD);
-                else
-                    PREFETCH(gp + QUANT_AHEAD);
+                PREFETCH_FOR(once, gp + QUANT_AHEAD);
                 if (bits != 8) {
                     __m256i v0 = _mm256_loadu_si256((const __m256i *)gp);
                     __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 32));
                     __m256i w[4] = {_mm256_and_si256(v0, nibble), _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble),
                                     _mm256_and_si256(v1, nibble), _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble)};
                     if (bits == 6) {
-                        if (once)
-                            PREFETCH_ONCE(gp + QUANT_AHEAD + 64);
-                        else
-                            PREFETCH(gp + QUANT_AHEAD + 64);
+                        PREFETCH_FOR(once, gp + QUANT_AHEAD + 64);
                         /* Column group j's high 2 bits sit at bits 2j: shifted to bits 4-5 (a 16-bit
                          * shift carries bits across bytes, but the mask keeps only the byte's own). */
                         __m256i h = _mm256_loadu_si256((const __m256i *)(gp + 64));
@@ -263,10 +255,7 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
                         }
                     }
                 } else {
-                    if (once)
-                        PREFETCH_ONCE(gp + QUANT_AHEAD + 64);
-                    else
-                        PREFETCH(gp + QUANT_AHEAD + 64);
+                    PREFETCH_FOR(once, gp + QUANT_AHEAD + 64);
                     __m256i w[4], aw[4];
                     for (int j = 0; j < 4; j++) {
                         w[j] = _mm256_loadu_si256((const __m256i *)(gp + 32 * j));
@@ -361,20 +350,23 @@ static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t 
         }
 }
 
-/* One format's panels [p0, p1): the tile specialized per (rows, format) at compile time. */
-#define QUANT_PANELS(NAME, TILE, TARGET, BITS, ZP)                                                                      \
+/* One format's panels [p0, p1): the tile specialized per (rows, format) at compile time, at most
+ * MAXR (2 or 4) rows a pass. */
+#define QUANT_PANELS(NAME, TILE, TARGET, BITS, ZP, MAXR)                                                  \
     static TARGET void NAME(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int64_t p0, int64_t p1) { \
-        float tail[ONE_PASS_ROWS * LLMC_PANEL];                                                           \
+        float tail[MAXR * LLMC_PANEL];                                                                    \
         const int64_t bytes = (a->k / a->block) * llmc_quant_block_bytes(BITS, a->block, ZP);             \
-        const int once = a->m <= ONE_PASS_ROWS;                                                           \
+        const int once = a->m <= MAXR;                                                                    \
         for (int64_t p = p0; p < p1; p++) {                                                               \
             const uint8_t *panel = w + p * bytes;                                                         \
             int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;            \
             for (int64_t r = 0; r < a->m;) {                                                              \
-                int64_t rows = a->m - r >= 2 ? 2 : 1;                                                     \
+                int64_t rows = MAXR == 4 && a->m - r >= 4 ? 4 : a->m - r >= 2 ? 2 : 1;                    \
                 float *out = width == LLMC_PANEL ? y + r * n + col : tail;                                \
                 int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;                                    \
-                if (rows == 2)                                                                            \
+                if (MAXR == 4 && rows == 4)                                                               \
+                    TILE(a, r, panel, out, stride, 4, BITS, ZP, once);                                    \
+                else if (rows == 2)                                                                       \
                     TILE(a, r, panel, out, stride, 2, BITS, ZP, once);                              \
                 else                                                                                      \
                     TILE(a, r, panel, out, stride, 1, BITS, ZP, once);                              \
@@ -385,12 +377,12 @@ static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t 
             }                                                                                             \
         }                                                                                                 \
     }
-QUANT_PANELS(int4_sym, quant_tile, AVX2, 4, 0)
-QUANT_PANELS(int4_asym, quant_tile, AVX2, 4, 1)
-QUANT_PANELS(int8_sym, quant_tile, AVX2, 8, 0)
-QUANT_PANELS(int8_asym, quant_tile, AVX2, 8, 1)
-QUANT_PANELS(int6_sym, quant_tile, AVX2, 6, 0)
-QUANT_PANELS(int6_asym, quant_tile, AVX2, 6, 1)
+QUANT_PANELS(int4_sym, quant_tile, AVX2, 4, 0, ONE_PASS_ROWS)
+QUANT_PANELS(int4_asym, quant_tile, AVX2, 4, 1, ONE_PASS_ROWS)
+QUANT_PANELS(int8_sym, quant_tile, AVX2, 8, 0, ONE_PASS_ROWS)
+QUANT_PANELS(int8_asym, quant_tile, AVX2, 8, 1, ONE_PASS_ROWS)
+QUANT_PANELS(int6_sym, quant_tile, AVX2, 6, 0, ONE_PASS_ROWS)
+QUANT_PANELS(int6_asym, quant_tile, AVX2, 6, 1, ONE_PASS_ROWS)
 
 /* -- AVX-512 VNNI ------------------------------------------------------------------------------ */
 
@@ -453,28 +445,17 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
     const uint8_t *blk = panel;
     for (int64_t b = 0; b < nb; b++, blk += bb) {
         const uint8_t *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
-        if (once) {
-            PREFETCH_ONCE(blk + QUANT_AHEAD);
-            PREFETCH_ONCE(blk + QUANT_AHEAD + 64);
-        } else {
-            PREFETCH(blk + QUANT_AHEAD);
-            PREFETCH(blk + QUANT_AHEAD + 64);
-        }
+        PREFETCH_FOR(once, blk + QUANT_AHEAD);
+        PREFETCH_FOR(once, blk + QUANT_AHEAD + 64);
         __m512i dot[R][2];
         for (int r = 0; r < R; r++)
             dot[r][0] = dot[r][1] = _mm512_setzero_si512();
         for (int64_t g = 0; g < B / 4; g++) {
             const uint8_t *gp = wq + g * gb;
-            if (once)
-                PREFETCH_ONCE(gp + QUANT_AHEAD);
-            else
-                PREFETCH(gp + QUANT_AHEAD);
+            PREFETCH_FOR(once, gp + QUANT_AHEAD);
             __m512i w0, w1;
             if (bits == 8) {
-                if (once)
-                    PREFETCH_ONCE(gp + QUANT_AHEAD + 64);
-                else
-                    PREFETCH(gp + QUANT_AHEAD + 64);
+                PREFETCH_FOR(once, gp + QUANT_AHEAD + 64);
                 w0 = _mm512_xor_si512(_mm512_loadu_si512(gp), flip);
                 w1 = _mm512_xor_si512(_mm512_loadu_si512(gp + 64), flip);
             } else {
@@ -531,12 +512,12 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
     }
 }
 
-QUANT_PANELS(int4_sym_vnni, vnni_tile, VNNI, 4, 0)
-QUANT_PANELS(int4_asym_vnni, vnni_tile, VNNI, 4, 1)
-QUANT_PANELS(int8_sym_vnni, vnni_tile, VNNI, 8, 0)
-QUANT_PANELS(int8_asym_vnni, vnni_tile, VNNI, 8, 1)
-QUANT_PANELS(int6_sym_vnni, vnni_tile, VNNI, 6, 0)
-QUANT_PANELS(int6_asym_vnni, vnni_tile, VNNI, 6, 1)
+QUANT_PANELS(int4_sym_vnni, vnni_tile, VNNI, 4, 0, VNNI_ROWS)
+QUANT_PANELS(int4_asym_vnni, vnni_tile, VNNI, 4, 1, VNNI_ROWS)
+QUANT_PANELS(int8_sym_vnni, vnni_tile, VNNI, 8, 0, VNNI_ROWS)
+QUANT_PANELS(int8_asym_vnni, vnni_tile, VNNI, 8, 1, VNNI_ROWS)
+QUANT_PANELS(int6_sym_vnni, vnni_tile, VNNI, 6, 0, VNNI_ROWS)
+QUANT_PANELS(int6_asym_vnni, vnni_tile, VNNI, 6, 1, VNNI_ROWS)
 
 /* Rows [0, R) of x times one 16-bit panel: the fp32 tile with a conversion after each load. */
 static inline __attribute__((always_inline)) AVX2 void half_tile(const float *restrict x,
@@ -549,10 +530,7 @@ static inline __attribute__((always_inline)) AVX2 void half_tile(const float *re
             acc[r][j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
         const uint16_t *row = panel + i * LLMC_PANEL;
-        if (once)
-            PREFETCH_ONCE((const uint8_t *)row + HALF_AHEAD);
-        else
-            PREFETCH((const uint8_t *)row + HALF_AHEAD);
+        PREFETCH_FOR(once, (const uint8_t *)row + HALF_AHEAD);
         __m256 xb[R];
         for (int r = 0; r < R; r++)
             xb[r] = _mm256_broadcast_ss(x + r * k + i);
@@ -616,7 +594,9 @@ void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_
 void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int bits, int zero_points,
                        int64_t p0, int64_t p1) {
 #if HAVE_AVX2_PATH
-    if (llmc_vnni()) {
+    /* int8 at 1-2 rows streams slower through the VNNI tile than the AVX2 one here (an LM head
+     * 1.2-1.5x the time: docs/quantization.md), so it takes VNNI from 3 rows. */
+    if (llmc_vnni() && (bits != 8 || a->m > ONE_PASS_ROWS)) {
         if (bits == 4)
             (zero_points ? int4_asym_vnni : int4_sym_vnni)(a, w, y, n, p0, p1);
         else if (bits == 6)

@@ -47,6 +47,14 @@ static inline int llmc_avx2(void) {
 #endif
 
 /* PREFETCH_ONCE is for data read once and not again soon (a weight streamed by a single pass):
- * the non-temporal hint keeps it from displacing what the caches hold for the rest of the step. */
+ * the non-temporal hint keeps it from displacing what the caches hold for the rest of the step.
+ * PREFETCH_FOR picks between the two by whether this pass is the data's only one. */
+#define PREFETCH_FOR(once, p)                                                                      \
+    do {                                                                                           \
+        if (once)                                                                                  \
+            PREFETCH_ONCE(p);                                                                      \
+        else                                                                                       \
+            PREFETCH(p);                                                                           \
+    } while (0)
 
 #endif
