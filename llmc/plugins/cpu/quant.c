@@ -594,8 +594,8 @@ void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_
 void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int bits, int zero_points,
                        int64_t p0, int64_t p1) {
 #if HAVE_AVX2_PATH
-    /* int8 at 1-2 rows streams slower through the VNNI tile than the AVX2 one here (an LM head
-     * 1.2-1.5x the time: docs/quantization.md), so it takes VNNI from 3 rows. */
+    /* int8 at 1-2 rows streamed no faster through the VNNI tile than the AVX2 one, and slower
+     * at times (docs/quantization.md), so it takes VNNI from 3 rows. */
     if (llmc_vnni() && (bits != 8 || a->m > ONE_PASS_ROWS)) {
         if (bits == 4)
             (zero_points ? int4_asym_vnni : int4_sym_vnni)(a, w, y, n, p0, p1);
