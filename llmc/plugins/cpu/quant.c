@@ -401,12 +401,10 @@ QUANT_PANELS(int6_asym, quant_tile, AVX2, 6, 1, ONE_PASS_ROWS)
  * AVX2 tile instead. */
 static int llmc_vnni(void) {
     static int cached = -1;
-    if (cached < 0) {
-        const char *off = getenv("LLMC_CPU_NO_VNNI");
-        cached = llmc_avx2() && !(off != NULL && off[0] == '1') && __builtin_cpu_supports("avx512f") &&
+    if (cached < 0)
+        cached = llmc_avx2() && !llmc_env_on("LLMC_CPU_NO_VNNI") && __builtin_cpu_supports("avx512f") &&
                  __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                  __builtin_cpu_supports("avx512vnni");
-    }
     return cached;
 }
 
@@ -519,6 +517,13 @@ QUANT_PANELS(int8_asym_vnni, vnni_tile, VNNI, 8, 1, VNNI_ROWS)
 QUANT_PANELS(int6_sym_vnni, vnni_tile, VNNI, 6, 0, VNNI_ROWS)
 QUANT_PANELS(int6_asym_vnni, vnni_tile, VNNI, 6, 1, VNNI_ROWS)
 
+/* Each format's panels by [VNNI or AVX2][int4, int6, int8][symmetric, asymmetric]. */
+typedef void (*quant_panels_fn)(const llmc_qact *, const uint8_t *, float *, int64_t, int64_t, int64_t);
+static const quant_panels_fn QUANT_PANELS_BY[2][3][2] = {
+    {{int4_sym, int4_asym}, {int6_sym, int6_asym}, {int8_sym, int8_asym}},
+    {{int4_sym_vnni, int4_asym_vnni}, {int6_sym_vnni, int6_asym_vnni}, {int8_sym_vnni, int8_asym_vnni}},
+};
+
 /* Rows [0, R) of x times one 16-bit panel: the fp32 tile with a conversion after each load. */
 static inline __attribute__((always_inline)) AVX2 void half_tile(const float *restrict x,
                                                                  const uint16_t *restrict panel, float *restrict out,
@@ -596,22 +601,9 @@ void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n
 #if HAVE_AVX2_PATH
     /* int8 at 1-2 rows streamed no faster through the VNNI tile than the AVX2 one, and slower
      * at times (docs/quantization.md), so it takes VNNI from 3 rows. */
-    if (llmc_vnni() && (bits != 8 || a->m > ONE_PASS_ROWS)) {
-        if (bits == 4)
-            (zero_points ? int4_asym_vnni : int4_sym_vnni)(a, w, y, n, p0, p1);
-        else if (bits == 6)
-            (zero_points ? int6_asym_vnni : int6_sym_vnni)(a, w, y, n, p0, p1);
-        else
-            (zero_points ? int8_asym_vnni : int8_sym_vnni)(a, w, y, n, p0, p1);
-        return;
-    }
-    if (llmc_avx2()) {
-        if (bits == 4)
-            (zero_points ? int4_asym : int4_sym)(a, w, y, n, p0, p1);
-        else if (bits == 6)
-            (zero_points ? int6_asym : int6_sym)(a, w, y, n, p0, p1);
-        else
-            (zero_points ? int8_asym : int8_sym)(a, w, y, n, p0, p1);
+    const int vnni = llmc_vnni() && (bits != 8 || a->m > ONE_PASS_ROWS);
+    if (vnni || llmc_avx2()) {
+        QUANT_PANELS_BY[vnni][(bits - 4) / 2][zero_points != 0](a, w, y, n, p0, p1);
         return;
     }
 #endif

@@ -32,16 +32,20 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 #endif
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <stdlib.h>
+/* Whether the environment variable `name` is set to 1: how the tests steer the kernels off a path. */
+static inline int llmc_env_on(const char *name) {
+    const char *value = getenv(name);
+    return value != NULL && value[0] == '1';
+}
+
 /* Whether the hand-written AVX2 paths may run: the CPU has AVX2, FMA and F16C, and
  * LLMC_CPU_PLAIN=1 in the environment (which the tests also run) does not force the portable
  * code. Kernels whose AVX-512 clone is the better path also check for avx512f. */
 static inline int llmc_avx2(void) {
     static int cached = -1;
-    if (cached < 0) {
-        const char *plain = getenv("LLMC_CPU_PLAIN");
-        cached = !(plain != NULL && plain[0] == '1') && __builtin_cpu_supports("avx2") &&
-                 __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
+    if (cached < 0)
+        cached = !llmc_env_on("LLMC_CPU_PLAIN") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                 __builtin_cpu_supports("f16c");
     return cached;
 }
 #endif
