@@ -377,12 +377,15 @@ static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t 
             }                                                                                             \
         }                                                                                                 \
     }
-QUANT_PANELS(int4_sym, quant_tile, AVX2, 4, 0, ONE_PASS_ROWS)
-QUANT_PANELS(int4_asym, quant_tile, AVX2, 4, 1, ONE_PASS_ROWS)
-QUANT_PANELS(int8_sym, quant_tile, AVX2, 8, 0, ONE_PASS_ROWS)
-QUANT_PANELS(int8_asym, quant_tile, AVX2, 8, 1, ONE_PASS_ROWS)
-QUANT_PANELS(int6_sym, quant_tile, AVX2, 6, 0, ONE_PASS_ROWS)
-QUANT_PANELS(int6_asym, quant_tile, AVX2, 6, 1, ONE_PASS_ROWS)
+/* Every format's panels for one tile: int4/int6/int8, symmetric and asymmetric. */
+#define QUANT_FORMATS(SUFFIX, TILE, TARGET, MAXR)                                                         \
+    QUANT_PANELS(int4_sym##SUFFIX, TILE, TARGET, 4, 0, MAXR)                                              \
+    QUANT_PANELS(int4_asym##SUFFIX, TILE, TARGET, 4, 1, MAXR)                                             \
+    QUANT_PANELS(int6_sym##SUFFIX, TILE, TARGET, 6, 0, MAXR)                                              \
+    QUANT_PANELS(int6_asym##SUFFIX, TILE, TARGET, 6, 1, MAXR)                                             \
+    QUANT_PANELS(int8_sym##SUFFIX, TILE, TARGET, 8, 0, MAXR)                                              \
+    QUANT_PANELS(int8_asym##SUFFIX, TILE, TARGET, 8, 1, MAXR)
+QUANT_FORMATS(, quant_tile, AVX2, ONE_PASS_ROWS)
 
 /* -- AVX-512 VNNI ------------------------------------------------------------------------------ */
 
@@ -510,12 +513,7 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
     }
 }
 
-QUANT_PANELS(int4_sym_vnni, vnni_tile, VNNI, 4, 0, VNNI_ROWS)
-QUANT_PANELS(int4_asym_vnni, vnni_tile, VNNI, 4, 1, VNNI_ROWS)
-QUANT_PANELS(int8_sym_vnni, vnni_tile, VNNI, 8, 0, VNNI_ROWS)
-QUANT_PANELS(int8_asym_vnni, vnni_tile, VNNI, 8, 1, VNNI_ROWS)
-QUANT_PANELS(int6_sym_vnni, vnni_tile, VNNI, 6, 0, VNNI_ROWS)
-QUANT_PANELS(int6_asym_vnni, vnni_tile, VNNI, 6, 1, VNNI_ROWS)
+QUANT_FORMATS(_vnni, vnni_tile, VNNI, VNNI_ROWS)
 
 /* Each format's panels by [VNNI or AVX2][int4, int6, int8][symmetric, asymmetric]. */
 typedef void (*quant_panels_fn)(const llmc_qact *, const uint8_t *, float *, int64_t, int64_t, int64_t);
