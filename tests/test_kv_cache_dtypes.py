@@ -3,6 +3,11 @@ the numpy reference with the same rounding, in real ONNX Runtime sessions."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -104,6 +109,18 @@ def test_the_kernel_over_each_pool_dtype_matches_the_reference(name, dtype):
     np.testing.assert_allclose(out[valid], ref_out[valid], rtol=1e-4, atol=1e-5)
     assert not out[~valid].any()
     assert out.shape[-1] == h * stored.shape[-1]
+
+
+@pytest.mark.skipif(os.environ.get("LLMC_CPU_PLAIN") == "1", reason="this is the run under LLMC_CPU_PLAIN")
+def test_the_portable_path_over_each_pool_dtype_matches_the_reference():
+    """The comparisons above again with LLMC_CPU_PLAIN=1 (read once per process, hence a process
+    of its own): the portable loops, which widen each converted tile first. A CPU with AVX2 runs
+    its in-place loops over a converted pool, so only this run covers the other path."""
+    env = dict(os.environ, LLMC_CPU_PLAIN="1")
+    test = f"{Path(__file__).name}::test_the_kernel_over_each_pool_dtype_matches_the_reference"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                         cwd=Path(__file__).parent, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -981,8 +981,16 @@ static void task_vec(const llmc_attention *a, int64_t task) {
 }
 
 #ifdef LLMC_X86
-/* The AVX2 loops, where the CPU has no AVX-512 (whose clone of task_vec keeps its v16 loops). */
-static int attention_avx2(void) { return llmc_avx2() && !__builtin_cpu_supports("avx512f"); }
+/* The AVX2 loops where the CPU has no AVX-512, and for a 16-bit or int8 pool everywhere: on an
+ * AVX-512 host the avx512f clone of task_vec widens each converted tile into a copy first, slower
+ * than converting in registers (docs/attention_cpu.md, "On an AVX-512 host"); for an fp32 pool
+ * the two are even there, and the v16 loops stay. */
+static int attention_avx2(const llmc_attention *a) {
+    static int avx512 = -1;
+    if (avx512 < 0)
+        avx512 = __builtin_cpu_supports("avx512f");
+    return llmc_avx2() && (!avx512 || a->kv_type != LLMC_KV_FP32);
+}
 
 /* task_vec with the in-place AVX2 loops where the shape has them, for every pool type. */
 __attribute__((target("avx2,fma,f16c"))) static void task_avx2(const llmc_attention *a, int64_t task) {
@@ -1007,7 +1015,7 @@ __attribute__((target("avx2,fma,f16c"))) static void task_avx2(const llmc_attent
 
 void llmc_attention_task(const llmc_attention *a, int64_t task) {
 #ifdef LLMC_X86
-    if (attention_avx2()) {
+    if (attention_avx2(a)) {
         task_avx2(a, task);
         return;
     }
