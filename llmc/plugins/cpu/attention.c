@@ -986,10 +986,7 @@ static void task_vec(const llmc_attention *a, int64_t task) {
  * than converting in registers (docs/attention_cpu.md, "On an AVX-512 host"); for an fp32 pool
  * the two are even there, and the v16 loops stay. */
 static int attention_avx2(const llmc_attention *a) {
-    static int avx512 = -1;
-    if (avx512 < 0)
-        avx512 = __builtin_cpu_supports("avx512f");
-    return llmc_avx2() && (!avx512 || a->kv_type != LLMC_KV_FP32);
+    return llmc_avx2() && (a->kv_type != LLMC_KV_FP32 || !__builtin_cpu_supports("avx512f"));
 }
 
 /* task_vec with the in-place AVX2 loops where the shape has them, for every pool type. */
