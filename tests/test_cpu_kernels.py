@@ -156,6 +156,39 @@ def test_paged_attention_kernel_matches_the_reference(case):
     np.testing.assert_allclose(cache_out[:, 1:], ref_cache[:, 1:], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["decode-all-heads", "prefill-all-heads"])
+def test_rotary_tables_indexed_by_position_give_the_per_token_bits(case):
+    """cos/sin as [positions, R/2] tables plus position ids (the rotary-tables pass) rotate exactly
+    as the same rows given per token; a position past the tables is refused in one line."""
+    a = attention_case(CASES[case])
+    c, feeds = a["c"], a["feeds"]
+    batch, seq = len(c["past"]), c["seq"]
+    positions = (feeds["past"][:, None] + np.arange(seq)).astype(np.int64)
+    positions = np.minimum(positions, (feeds["past"] + feeds["qlen"] - 1)[:, None])  # padding: the last one
+    rows = int((feeds["past"] + feeds["qlen"]).max())  # the last valid token's position + 1
+    half = feeds["cos"].shape[-1]
+    angles = np.arange(rows)[:, None] / 10000 ** (np.arange(half) / half)
+    table_cos, table_sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    pool = kv_layout.from_token_major(a["cache"], kv_layout.HEAD_MAJOR)
+    base = {**feeds, "cache": pool}
+    per_token = _session("PagedAttention", a["names"], ["out", "cache_out"], **a["attrs"])
+    want = per_token.run(None, {**{n: base[n] for n in a["names"] if n},
+                                "cos": table_cos[positions], "sin": table_sin[positions]})
+    names = a["names"] + ["positions"]
+    indexed = _session("PagedAttention", names, ["out", "cache_out"], types={"positions": TensorProto.INT64},
+                       **a["attrs"])
+    got = indexed.run(None, {**{n: base[n] for n in a["names"] if n}, "cos": table_cos, "sin": table_sin,
+                             "positions": positions})
+    valid = np.arange(seq)[None] < feeds["qlen"][:, None]
+    np.testing.assert_array_equal(got[0][valid], want[0][valid])
+    np.testing.assert_array_equal(got[1], want[1])
+    short = {**{n: base[n] for n in a["names"] if n}, "cos": table_cos[:-1], "sin": table_sin[:-1],
+             "positions": positions}
+    with pytest.raises(Exception, match="position_ids outside the rotary tables"):
+        indexed.run(None, short)
+    assert batch == len(positions)
+
+
 @pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (3, 40, 70), (8, 64, 32), (13, 17, 5), (20, 33, 64),
                                      (37, 96, 100)])
 def test_packed_matmul_matches_numpy(rows, k, n):

@@ -109,6 +109,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
     from llmc.passes.manager import PassManager
     from llmc.passes.pipeline import pipeline
     from llmc.passes.quantize_weights import QuantizeWeights, records_of
+    from llmc.passes.rotary_tables import RotaryTables
     from llmc.passes.verify import verifier
     from llmc.plugins import cpu
 
@@ -141,6 +142,9 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             raise LlmcError(f"--max-context {max_context} exceeds the model's max positions "
                             f"({spec.max_position_embeddings}); use a smaller value")
         options = dataclasses.replace(options, max_context=max_context)
+        for p in passes:
+            if isinstance(p, RotaryTables):
+                p.max_context = max_context
         _check_quantization(options, spec, passes)
         stage("resolve", t, f"{spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}")
 

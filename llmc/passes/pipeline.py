@@ -4,7 +4,7 @@
     fuse              merge-matmuls
     quantize          quantize-weights (with --quant or --weight-dtype: DequantizeLinear/Cast -> MatMul)
     rewrite KV I/O    paged-kv-cache, logits-indices (the LM head on the step's chosen tokens)
-    backend kernels   ort-fusions (ORT's), cpu-kernels (llmc's own)
+    backend kernels   ort-fusions (ORT's), cpu-kernels (llmc's own), rotary-tables
     lower             ort-lower (what no kernel took, in standard ops)
     layout            simplify-layout
     weights           packed-matmul, lossless-weights (with --lossless-weights), greedy-tokens
@@ -39,6 +39,7 @@ from llmc.passes.ort_lower import LowerPagedAttentionORT
 from llmc.passes.packed_matmul import PackedMatMuls
 from llmc.passes.paged_kv_cache import PagedKVCache
 from llmc.passes.quantize_weights import QuantizeWeights
+from llmc.passes.rotary_tables import RotaryTables
 from llmc.passes.simplify_layout import SimplifyLayout
 from llmc.passes.trt_lower import TensorRTPlugin, TensorRTPrecision
 
@@ -62,7 +63,8 @@ def phases(options: BuildOptions) -> list[Phase]:
         return common + [Phase("lower", (TensorRTPlugin(),)),
                          Phase("precision", (TensorRTPrecision(options.compute_dtype),))]
     return common + [
-        Phase("backend kernels", (ORTFusions(), CPUKernels(block, options.kv_dtype))),
+        Phase("backend kernels", (ORTFusions(), CPUKernels(block, options.kv_dtype),
+                                  RotaryTables(options.max_context))),
         Phase("lower", (LowerPagedAttentionORT(block),)),
         Phase("layout", (SimplifyLayout(),)),
         Phase("weights", (PackedMatMuls(),) + ((LosslessWeights(),) if options.lossless_weights else ())

@@ -39,7 +39,10 @@ OUTPUTS = ("output", "cache_out")
 # A kernel that applies the query's and key's RoPE itself (llmc.cpu's, TensorRT's plugin) takes
 # their ONNX RotaryEmbedding's per-token cos/sin [B, S, R/2] after these, with the attribute
 # `rotary_interleaved`: the op is then RotaryEmbedding(query), RotaryEmbedding(key), then itself.
-OPTIONAL_INPUTS = ("cos", "sin")
+# llmc.cpu's also takes `positions` ([B, S] int64, the step's position_ids) after them, and then
+# cos/sin are tables [positions, R/2] whose row positions[b, j] rotates token (b, j)
+# (llmc/passes/rotary_tables.py builds them).
+OPTIONAL_INPUTS = ("cos", "sin", "positions")
 
 
 @dataclass(frozen=True)

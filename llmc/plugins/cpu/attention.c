@@ -222,6 +222,10 @@ const char *llmc_attention_check(const llmc_attention *a) {
             return "past_lens/query_lens out of range for the step";
         if (qlen == 0)
             continue;
+        if (a->positions != NULL)
+            for (int64_t j = 0; j < qlen; j++)
+                if (a->positions[b * a->seq + j] < 0 || a->positions[b * a->seq + j] >= a->rotary_rows)
+                    return "position_ids outside the rotary tables (the engine's max context)";
         int64_t last = past + qlen - 1;
         if (last / a->block_size >= a->max_blocks)
             return "block_tables has fewer columns than a row's tokens need";
@@ -240,8 +244,8 @@ static inline void rotate(const llmc_attention *a, const float *x, float *dst, i
     memcpy(dst, x, (size_t)d * sizeof(float));
     if (rot == 0)
         return;
-    const float *c = a->cos + b * a->cos_batch_stride + j * half;
-    const float *s = a->sin + b * a->cos_batch_stride + j * half;
+    int64_t at = a->positions ? a->positions[b * a->seq + j] * half : b * a->cos_batch_stride + j * half;
+    const float *c = a->cos + at, *s = a->sin + at;
     if (a->interleaved) {
         for (int64_t i = 0; i < half; i++) {
             float x0 = x[2 * i], x1 = x[2 * i + 1];

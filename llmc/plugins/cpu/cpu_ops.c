@@ -111,7 +111,7 @@ static OrtStatus *parallel(OrtKernelContext *ctx, void (*fn)(void *, size_t), si
 
 /* -- PagedAttention -------------------------------------------------------------------------- */
 
-enum { IN_Q, IN_K, IN_V, IN_CACHE, IN_PAST, IN_QLEN, IN_TABLES, IN_COS, IN_SIN, NUM_IN };
+enum { IN_Q, IN_K, IN_V, IN_CACHE, IN_PAST, IN_QLEN, IN_TABLES, IN_COS, IN_SIN, IN_POS, NUM_IN };
 
 typedef struct {
     int64_t num_heads, num_kv_heads, sliding_window, interleaved;
@@ -178,7 +178,20 @@ static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
         qlen->type != ORT_INT32 || tables->type != ORT_INT32)
         return error(op, "past_lens/query_lens [batch] and block_tables [batch, blocks] must be int32");
     a.max_blocks = tables->dims[1];
-    if (t[IN_COS].value != NULL) {
+    if (t[IN_COS].value != NULL && t[IN_POS].value != NULL) {  /* tables indexed by position */
+        const tensor *c = &t[IN_COS], *s = &t[IN_SIN], *pos = &t[IN_POS];
+        if (s->value == NULL || c->rank != 2 || s->rank != 2 || c->type != ORT_FLOAT || s->type != ORT_FLOAT ||
+            memcmp(c->dims, s->dims, sizeof c->dims) != 0 || 2 * c->dims[1] > d)
+            return error(op, "with positions, cos/sin must be float32 tables [positions, rotary_dim / 2] with "
+                             "rotary_dim <= head_dim");
+        if (pos->rank != 2 || pos->type != ORT_INT64 || pos->dims[0] != a.batch || pos->dims[1] != a.seq)
+            return error(op, "positions must be int64 [batch, seq]");
+        a.rotary_dim = 2 * c->dims[1];
+        a.rotary_rows = c->dims[0];
+        TRY(data(c->value, (void **)&a.cos));
+        TRY(data(s->value, (void **)&a.sin));
+        TRY(data(pos->value, (void **)&a.positions));
+    } else if (t[IN_COS].value != NULL) {
         const tensor *c = &t[IN_COS], *s = &t[IN_SIN];
         if (s->value == NULL || c->rank != 3 || s->rank != 3 || c->type != ORT_FLOAT || s->type != ORT_FLOAT ||
             memcmp(c->dims, s->dims, sizeof c->dims) != 0 || (c->dims[0] != a.batch && c->dims[0] != 1) ||
@@ -654,7 +667,7 @@ static int32_t attention_input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
     if (i == IN_CACHE)
         return ORT_UNDEFINED;
-    return (i == IN_PAST || i == IN_QLEN || i == IN_TABLES) ? ORT_INT32 : ORT_FLOAT;
+    return (i == IN_PAST || i == IN_QLEN || i == IN_TABLES) ? ORT_INT32 : i == IN_POS ? ORT_INT64 : ORT_FLOAT;
 }
 static int32_t attention_output_type(const OrtCustomOp *op, size_t i) {
     (void)op;
@@ -662,7 +675,7 @@ static int32_t attention_output_type(const OrtCustomOp *op, size_t i) {
 }
 static int32_t attention_input_kind(const OrtCustomOp *op, size_t i) {
     (void)op;
-    return (i == IN_K || i == IN_V || i == IN_COS || i == IN_SIN) ? ORT_OPTIONAL : ORT_REQUIRED;
+    return (i == IN_K || i == IN_V || i == IN_COS || i == IN_SIN || i == IN_POS) ? ORT_OPTIONAL : ORT_REQUIRED;
 }
 
 

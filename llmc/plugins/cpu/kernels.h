@@ -3,7 +3,7 @@
  * whose numpy `reference` is the oracle in tests), with two fusions its ORT lowering lacks:
  * - the paged pool is read where it lies: no gathered copy of a row's blocks;
  * - the rotary embedding of Q and K is applied on the way in (ONNX RotaryEmbedding semantics,
- *   cos/sin given per token), and Q/K/V may arrive packed in one [B, S, (Hq + 2 Hkv) D] tensor,
+ *   cos/sin given per token, or as tables indexed by position), and Q/K/V may arrive packed in one [B, S, (Hq + 2 Hkv) D] tensor,
  *   which is what the merged QKV projection produces. */
 #ifndef LLMC_KERNELS_H
 #define LLMC_KERNELS_H
@@ -18,9 +18,13 @@ typedef struct {
     /* Token (b, j) of Q starts at q + (b * seq + j) * q_stride; K and V likewise with kv_stride. */
     const float *q, *k, *v;
     int64_t q_stride, kv_stride;
-    /* Rotary embedding: cos/sin are [B or 1, S, rotary_dim / 2]; rotary_dim 0 means none. */
+    /* Rotary embedding: cos/sin are [B or 1, S, rotary_dim / 2]; rotary_dim 0 means none. With
+     * positions ([B, S]), cos/sin are instead tables [rotary_rows, rotary_dim / 2] and token (b, j)
+     * takes row positions[b * seq + j]. */
     const float *cos, *sin;
     int64_t rotary_dim, cos_batch_stride;
+    const int64_t *positions;
+    int64_t rotary_rows;
     int interleaved;
     /* The pool, updated in place, head-major: [2, num_blocks, num_kv_heads, block_size, head_dim],
      * where each (block, KV head) key tile is stored transposed, [head_dim, block_size]. A
