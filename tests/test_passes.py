@@ -63,7 +63,7 @@ def test_the_pipeline_is_one_phased_list_built_from_the_options():
         ("fuse", ["merge-matmuls"]),
         ("quantize", []),
         ("rewrite KV I/O", ["paged-kv-cache", "logits-indices"]),
-        ("backend kernels", ["ort-fusions", "cpu-kernels"]),
+        ("backend kernels", ["ort-fusions", "cpu-kernels", "rotary-tables"]),
         ("lower", ["ort-lower"]),
         ("layout", ["simplify-layout"]),
         ("weights", ["packed-matmul", "greedy-tokens"]),
