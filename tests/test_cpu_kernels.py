@@ -161,8 +161,7 @@ def test_rotary_tables_indexed_by_position_give_the_per_token_bits(case):
     """cos/sin as [positions, R/2] tables plus position ids (the rotary-tables pass) rotate exactly
     as the same rows given per token; a position past the tables is refused in one line."""
     a = attention_case(CASES[case])
-    c, feeds = a["c"], a["feeds"]
-    batch, seq = len(c["past"]), c["seq"]
+    feeds, seq = a["feeds"], a["c"]["seq"]
     positions = (feeds["past"][:, None] + np.arange(seq)).astype(np.int64)
     positions = np.minimum(positions, (feeds["past"] + feeds["qlen"] - 1)[:, None])  # padding: the last one
     rows = int((feeds["past"] + feeds["qlen"]).max())  # the last valid token's position + 1
@@ -186,7 +185,6 @@ def test_rotary_tables_indexed_by_position_give_the_per_token_bits(case):
              "positions": positions}
     with pytest.raises(Exception, match="position_ids outside the rotary tables"):
         indexed.run(None, short)
-    assert batch == len(positions)
 
 
 @pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (3, 40, 70), (8, 64, 32), (13, 17, 5), (20, 33, 64),

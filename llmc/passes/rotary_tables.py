@@ -132,7 +132,9 @@ class RotaryTables(Pass):
             node.replace_input_with(SIN, values[1])
             node.resize_inputs(POSITIONS + 1)
             node.replace_input_with(POSITIONS, source)
-        for node in reversed(nodes):  # the angle ops, now read by nothing
+        removed = 0
+        for node in reversed(nodes):  # the angle ops now read by nothing (one may feed something else too)
             if all(not v.uses() and not v.is_graph_output() for v in node.outputs):
                 model.graph.remove(node, safe=True)
-        return PassResult(True, {"tables": len(attention), "angle_ops_removed": len(nodes)})
+                removed += 1
+        return PassResult(True, {"tables": len(attention), "angle_ops_removed": removed})

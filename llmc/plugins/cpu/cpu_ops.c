@@ -178,27 +178,25 @@ static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
         qlen->type != ORT_INT32 || tables->type != ORT_INT32)
         return error(op, "past_lens/query_lens [batch] and block_tables [batch, blocks] must be int32");
     a.max_blocks = tables->dims[1];
-    if (t[IN_COS].value != NULL && t[IN_POS].value != NULL) {  /* tables indexed by position */
+    if (t[IN_COS].value != NULL) {
         const tensor *c = &t[IN_COS], *s = &t[IN_SIN], *pos = &t[IN_POS];
-        if (s->value == NULL || c->rank != 2 || s->rank != 2 || c->type != ORT_FLOAT || s->type != ORT_FLOAT ||
-            memcmp(c->dims, s->dims, sizeof c->dims) != 0 || 2 * c->dims[1] > d)
-            return error(op, "with positions, cos/sin must be float32 tables [positions, rotary_dim / 2] with "
-                             "rotary_dim <= head_dim");
-        if (pos->rank != 2 || pos->type != ORT_INT64 || pos->dims[0] != a.batch || pos->dims[1] != a.seq)
-            return error(op, "positions must be int64 [batch, seq]");
-        a.rotary_dim = 2 * c->dims[1];
-        a.rotary_rows = c->dims[0];
-        TRY(data(c->value, (void **)&a.cos));
-        TRY(data(s->value, (void **)&a.sin));
-        TRY(data(pos->value, (void **)&a.positions));
-    } else if (t[IN_COS].value != NULL) {
-        const tensor *c = &t[IN_COS], *s = &t[IN_SIN];
-        if (s->value == NULL || c->rank != 3 || s->rank != 3 || c->type != ORT_FLOAT || s->type != ORT_FLOAT ||
-            memcmp(c->dims, s->dims, sizeof c->dims) != 0 || (c->dims[0] != a.batch && c->dims[0] != 1) ||
-            c->dims[1] != a.seq || 2 * c->dims[2] > d)
-            return error(op, "cos/sin must be float32 [batch or 1, seq, rotary_dim / 2] with rotary_dim <= head_dim");
-        a.rotary_dim = 2 * c->dims[2];
-        a.cos_batch_stride = c->dims[0] == 1 ? 0 : a.seq * c->dims[2];
+        int alike = s->value != NULL && c->type == ORT_FLOAT && s->type == ORT_FLOAT && c->rank == s->rank &&
+                    memcmp(c->dims, s->dims, sizeof c->dims) == 0;
+        if (pos->value != NULL) {  /* tables indexed by position */
+            if (!alike || c->rank != 2 || 2 * c->dims[1] > d)
+                return error(op, "with positions, cos/sin must be float32 tables [positions, rotary_dim / 2] with "
+                                 "rotary_dim <= head_dim");
+            if (pos->rank != 2 || pos->type != ORT_INT64 || pos->dims[0] != a.batch || pos->dims[1] != a.seq)
+                return error(op, "positions must be int64 [batch, seq]");
+            a.rotary_rows = c->dims[0];
+            TRY(data(pos->value, (void **)&a.positions));
+        } else {
+            if (!alike || c->rank != 3 || (c->dims[0] != a.batch && c->dims[0] != 1) || c->dims[1] != a.seq ||
+                2 * c->dims[2] > d)
+                return error(op, "cos/sin must be float32 [batch or 1, seq, rotary_dim / 2] with rotary_dim <= head_dim");
+            a.cos_batch_stride = c->dims[0] == 1 ? 0 : a.seq * c->dims[2];
+        }
+        a.rotary_dim = 2 * c->dims[c->rank - 1];
         TRY(data(c->value, (void **)&a.cos));
         TRY(data(s->value, (void **)&a.sin));
     }
