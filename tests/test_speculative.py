@@ -92,6 +92,10 @@ def test_greedy_speculation_in_flight_matches_plain_decoding(code_engines, propo
     accepted = sum(o.metrics.accepted_tokens for o in outs)
     assert 0 < accepted < proposed  # both verification paths ran
     assert llm.scheduler.num_preemptions > 0
+    # The engine's counts (the server's metrics) see each prompt once and each kept token once,
+    # through preemption and recompute and whatever verification kept.
+    assert llm.prompt_tokens == sum(len(o.prompt_token_ids) for o in outs)
+    assert llm.generated_tokens == sum(len(o.token_ids) for o in outs)
     assert any(o.prefix_hit_tokens > 0 for o in outs)
     assert llm.blocks.num_free == llm.blocks.capacity  # rolled-back and finished blocks all returned
     llm.blocks.check([])

@@ -75,7 +75,9 @@ class LLM:
         self.speculator = make_speculator(options, self.engine, files.tokenizer)
         self._requests: dict[str, Request] = {}
         self._next_order = 0
-        self.computed_tokens = 0  # tokens run through the model (prefill + decode), all requests
+        # Cumulative engine counts, all requests, aborted ones included: tokens run through the
+        # model (prefill + decode), prompts whose prefill finished, tokens sampled.
+        self.computed_tokens = self.prompt_tokens = self.generated_tokens = 0
 
     def _eos_ids(self, generation_config: Path) -> frozenset[int]:
         return frozenset(self.engine.spec.eos_token_ids) | frozenset(read_eos_token_ids(generation_config))
@@ -324,9 +326,12 @@ class LLM:
         for i, (r, token) in enumerate(zip(requests, tokens)):
             if r.out.token_ids:
                 r.out.metrics.decode_steps += 1
+            else:
+                self.prompt_tokens += len(r.out.prompt_token_ids)
             if r.out.logprobs is not None:
                 r.out.logprobs.append(token_logprob(logits[i], int(token), r.params.logprobs))
             r.append(int(token), now, self.max_context)
+        self.generated_tokens += len(requests)
         return requests
 
     def _run_speculative(self, rows: list[tuple[Request, int]], packed: list[Row], seq: int) -> list[Request]:
@@ -367,6 +372,7 @@ class LLM:
             if r.out.logprobs is not None:  # logits[j] is what came after the j-th verified position
                 r.out.logprobs.append(token_logprob(logits[j], token, r.params.logprobs))
             r.append(token, time.perf_counter(), self.max_context)  # each token its own time: ITL per token
+            self.generated_tokens += 1
             if r.out.finished:
                 break
         r.num_computed_tokens = min(computed, len(r.token_ids))  # a stop inside the run ends it there

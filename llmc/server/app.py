@@ -272,14 +272,16 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
             if out.finished:
                 finals[index] = out
 
-    task = asyncio.create_task(collect())
+    async def client_gone():  # the body is read: what comes next is the disconnect, when it comes
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.create_task(collect()), asyncio.create_task(client_gone())
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.05)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                break
-        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
     finally:
         await choices.aclose()
     if len(finals) < len(streams):

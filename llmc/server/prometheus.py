@@ -45,6 +45,10 @@ class _EngineState:
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", blocks.stats.hit_tokens)
         yield counter("vllm:num_preemptions", "Requests preempted (their cache freed, recomputed later).",
                       scheduler.num_preemptions)
+        # Counted by the engine as it works, as vLLM counts them: an aborted request's tokens are
+        # the ones the engine generated, not the ones its client read.
+        yield counter("vllm:prompt_tokens", "Prompt tokens prefilled (each request once).", llm.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Tokens generated.", llm.generated_tokens)
 
 
 class ServerMetrics:
@@ -62,10 +66,6 @@ class ServerMetrics:
         self.tpot = histogram("vllm:request_time_per_output_token_seconds", "Per request: (E2E - TTFT) / (n - 1).")
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.")
         self.queue = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduling.")
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", labels,
-                                     registry=r).labels(model)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Output tokens of finished requests.", labels,
-                                         registry=r).labels(model)
         self.success = Counter("vllm:request_success", "Finished requests, by why they ended.",
                                labels + ["finished_reason"], registry=r)
         self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.",
@@ -78,8 +78,6 @@ class ServerMetrics:
         """Count a request that ended (any reason); its latencies if it produced tokens."""
         m = out.metrics
         self.success.labels(self.model, out.finish_reason or "abort").inc()
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.token_ids))
         self.draft_tokens.inc(m.proposed_tokens)
         self.accepted_tokens.inc(m.accepted_tokens)
         for histogram, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e),
