@@ -3,18 +3,23 @@
     python benchmarks/serve_overhead.py --engine ENGINE [--rounds 6] [--prompt 128] [--new 64] [--concurrency 16]
 
 In-process: AsyncLLM in a worker process of its own, timed by RequestOutput.metrics (arrival =
-add_request). HTTP: `llmc serve` in its own process, driven by the openai client (AsyncOpenAI,
-streaming) from this one and timed as a user sees it: request sent -> first text chunk (TTFT),
-(last chunk - first chunk) / (n - 1) (TPOT), gaps between chunks (ITL). Each round runs batch 1
-(one request at a time, --requests of them) and then --concurrency streams at once, on both
-sides in turn (order alternating per round); prompts are distinct random token ids, so nothing
-hits the prefix cache.
+add_request). HTTP: `llmc serve` in its own process, driven from this one by two clients and timed
+as a user sees it: request sent -> first text chunk (TTFT), (last chunk - first chunk) / (n - 1)
+(TPOT), gaps between chunks (ITL). The clients:
+- "openai": the openai package's AsyncOpenAI, streaming;
+- "sse": a bare asyncio connection that reads the event stream's lines and json-decodes each
+  event. The server's overhead, with the least client CPU on the cores the server shares here
+  (a client on another machine takes none).
+Each round runs batch 1 (one request at a time, --requests of them) and then --concurrency
+streams at once, on every side in turn (order rotating per round); prompts are distinct random
+token ids, so nothing hits the prefix cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing
 import socket
 import statistics
@@ -24,6 +29,10 @@ import time
 import urllib.request
 
 import numpy as np
+
+
+CLIENTS = ("sse", "openai")
+SIDES = ("in-process", *(f"http {c}" for c in CLIENTS))
 
 
 def _in_process(conn, engine: str) -> None:
@@ -64,14 +73,38 @@ async def _http_one(client, prompt, n):
     return ttft, (times[-1] - times[0]) / (len(times) - 1), [b - a for a, b in zip(times, times[1:])]
 
 
-def _http(url: str, prompts, n, together: bool):
+async def _sse_one(port: int, prompt, n):
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "stream": True,
+                       "ignore_eos": True}).encode()
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    times = []
+    while line := await reader.readline():  # chunked transfer: size lines, event lines, blank lines
+        if line.startswith(b"data: {"):
+            if json.loads(line[6:])["choices"]:
+                times.append(time.perf_counter())
+        elif line.startswith(b"data: [DONE]"):
+            break
+    writer.close()
+    ttft = times[0] - start
+    return ttft, (times[-1] - times[0]) / (len(times) - 1), [b - a for a, b in zip(times, times[1:])]
+
+
+def _http(url: str, client: str, prompts, n, together: bool):
     import openai
 
     async def run():
-        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+        if client == "sse":
+            port = int(url.rsplit(":", 1)[1])
             if together:
-                return await asyncio.gather(*(_http_one(client, p, n) for p in prompts))
-            return [await _http_one(client, p, n) for p in prompts]
+                return await asyncio.gather(*(_sse_one(port, p, n) for p in prompts))
+            return [await _sse_one(port, p, n) for p in prompts]
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as http:
+            if together:
+                return await asyncio.gather(*(_http_one(http, p, n) for p in prompts))
+            return [await _http_one(http, p, n) for p in prompts]
 
     return asyncio.run(run())
 
@@ -118,14 +151,15 @@ def main() -> None:
             conn.send((ps, args.new, together))
             return conn.recv()
 
-        runs = {("in-process", False): [], ("http", False): [], ("in-process", True): [], ("http", True): []}
-        _http(url, prompts(2), args.new, False)  # warm both
+        runs = {(name, together): [] for name in SIDES for together in (False, True)}
+        for client in CLIENTS:  # warm every side
+            _http(url, client, prompts(2), args.new, False)
         local(prompts(2), False)
         for rnd in range(args.rounds):
             for together, k in ((False, args.requests), (True, args.concurrency)):
-                sides = [("in-process", lambda ps: local(ps, together)),
-                         ("http", lambda ps: _http(url, ps, args.new, together))]
-                for name, run in (sides if rnd % 2 == 0 else sides[::-1]):
+                sides = [("in-process", lambda ps: local(ps, together))]
+                sides += [(f"http {c}", lambda ps, c=c: _http(url, c, ps, args.new, together)) for c in CLIENTS]
+                for name, run in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
                     time.sleep(0.2)  # the other side's idle threads park
                     runs[name, together] += run(prompts(k))
     finally:
@@ -138,22 +172,22 @@ def main() -> None:
 
     print(f"engine {args.engine}: {args.prompt}-token prompts, {args.new} new tokens, {args.rounds} rounds, "
           "interleaved; ms")
-    b1 = {name: runs[name, False] for name in ("in-process", "http")}
-    print(f"batch 1 ({args.requests} requests per round): TTFT mean, TPOT mean")
-    for name, rs in b1.items():
-        print(f"  {name:>10} TTFT {mean([r[0] for r in rs]):7.3f}  TPOT {mean([r[1] for r in rs]):7.3f}")
-    print(f"  http / in-process: TTFT {mean([r[0] for r in b1['http']]) / mean([r[0] for r in b1['in-process']]):.3f}x"
-          f"  TPOT {mean([r[1] for r in b1['http']]) / mean([r[1] for r in b1['in-process']]):.3f}x")
-    many = {name: runs[name, True] for name in ("in-process", "http")}
-    print(f"{args.concurrency} concurrent streams: TPOT p50 / p99 over requests, ITL p99 over gaps")
-    p99 = {}
-    for name, rs in many.items():
+    print(f"batch 1 ({args.requests} requests per round): TTFT mean, TPOT mean; / in-process")
+    base = runs["in-process", False]
+    for name in SIDES:
+        rs = runs[name, False]
+        ttft, tpot = mean([r[0] for r in rs]), mean([r[1] for r in rs])
+        print(f"  {name:>12} TTFT {ttft:7.3f}  TPOT {tpot:7.3f}   {ttft / mean([r[0] for r in base]):.3f}x"
+              f"  {tpot / mean([r[1] for r in base]):.3f}x")
+    print(f"{args.concurrency} concurrent streams: TPOT p50 / p99 over requests, ITL p99 over gaps; p99 / in-process")
+    base = np.percentile([r[1] for r in runs["in-process", True]], 99)
+    for name in SIDES:
+        rs = runs[name, True]
         tpot = [r[1] for r in rs]
         itl = [g for r in rs for g in r[2]]
-        p99[name] = np.percentile(tpot, 99)
-        print(f"  {name:>10} TPOT p50 {np.percentile(tpot, 50) * 1e3:7.3f}  p99 {p99[name] * 1e3:7.3f}  "
-              f"ITL p99 {np.percentile(itl, 99) * 1e3:7.3f}")
-    print(f"  http / in-process: TPOT p99 {p99['http'] / p99['in-process']:.3f}x")
+        p99 = np.percentile(tpot, 99)
+        print(f"  {name:>12} TPOT p50 {np.percentile(tpot, 50) * 1e3:7.3f}  p99 {p99 * 1e3:7.3f}  "
+              f"ITL p99 {np.percentile(itl, 99) * 1e3:7.3f}   {p99 / base:.3f}x")
 
 
 if __name__ == "__main__":
