@@ -69,8 +69,12 @@ async def _http_one(client, prompt, n):
     async for chunk in stream:
         if chunk.choices:  # one event per token, also where its text is empty (a partial UTF-8 character)
             times.append(time.perf_counter())
-    ttft = times[0] - start
-    return ttft, (times[-1] - times[0]) / (len(times) - 1), [b - a for a, b in zip(times, times[1:])]
+    return _timings(start, times)
+
+
+def _timings(start: float, times: list[float]):
+    """(TTFT, TPOT, ITL gaps) of one request sent at `start` whose tokens arrived at `times`."""
+    return times[0] - start, (times[-1] - times[0]) / (len(times) - 1), [b - a for a, b in zip(times, times[1:])]
 
 
 async def _sse_one(port: int, prompt, n):
@@ -88,23 +92,23 @@ async def _sse_one(port: int, prompt, n):
         elif line.startswith(b"data: [DONE]"):
             break
     writer.close()
-    ttft = times[0] - start
-    return ttft, (times[-1] - times[0]) / (len(times) - 1), [b - a for a, b in zip(times, times[1:])]
+    return _timings(start, times)
 
 
 def _http(url: str, client: str, prompts, n, together: bool):
-    import openai
+    async def each(one):  # all at once, or one after another
+        if together:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        return [await one(p) for p in prompts]
 
     async def run():
         if client == "sse":
             port = int(url.rsplit(":", 1)[1])
-            if together:
-                return await asyncio.gather(*(_sse_one(port, p, n) for p in prompts))
-            return [await _sse_one(port, p, n) for p in prompts]
+            return await each(lambda p: _sse_one(port, p, n))
+        import openai
+
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as http:
-            if together:
-                return await asyncio.gather(*(_http_one(http, p, n) for p in prompts))
-            return [await _http_one(http, p, n) for p in prompts]
+            return await each(lambda p: _http_one(http, p, n))
 
     return asyncio.run(run())
 

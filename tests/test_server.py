@@ -23,6 +23,7 @@ from llmc.runtime.sampling import SamplingParams  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}{{ '### ' + m['role'] + '\\n' + m['content'] + '\\n' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ '### assistant\\n' }}{% endif %}")
+CODE = (("model_name", "code"),)  # the served model's labels in `_Server.metrics()` keys
 
 
 def _free_port() -> int:
@@ -249,18 +250,28 @@ def test_any_bad_request_gets_an_error_body_and_disturbs_nothing(server, local):
     assert statuses[200] >= 20 and statuses[400] >= 100, statuses  # both kinds were exercised
     r = _client(server).completions.create(model="code", prompt="def f(x):", max_tokens=12, temperature=0)
     assert r.choices[0].text == local.generate("def f(x):", SamplingParams(max_tokens=12)).text
-    key = (("model_name", "code"),)
     after = server.metrics()
-    assert after[("vllm:num_requests_running", key)] == 0 and after[("vllm:kv_cache_usage_perc", key)] == 0.0
+    assert after[("vllm:num_requests_running", CODE)] == 0 and after[("vllm:kv_cache_usage_perc", CODE)] == 0.0
 
 
-def _when_idle(server, timeout=10.0) -> dict:
-    deadline, key = time.time() + timeout, (("model_name", "code"),)
+def _delta(after: dict, before: dict, name: str, labels=CODE) -> float:
+    return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+
+def _ended(after: dict, before: dict, reason: str) -> float:
+    return _delta(after, before, "vllm:request_success_total", (("finished_reason", reason), *CODE))
+
+
+def _idle_and_whole(server, timeout=10.0) -> dict:
+    """The metrics once nothing runs (aborts land within a step or two), with every block free."""
+    deadline = time.time() + timeout
     while True:
         metrics = server.metrics()
-        if metrics[("vllm:num_requests_running", key)] == 0 or time.time() > deadline:
-            return metrics
+        if metrics[("vllm:num_requests_running", CODE)] == 0 or time.time() > deadline:
+            break
         time.sleep(0.02)
+    assert metrics[("vllm:num_requests_running", CODE)] == 0 and metrics[("vllm:kv_cache_usage_perc", CODE)] == 0.0
+    return metrics
 
 
 def test_64_streams_with_random_disconnects_leave_the_rest_identical_and_the_pool_whole(server, local):
@@ -270,6 +281,7 @@ def test_64_streams_with_random_disconnects_leave_the_rest_identical_and_the_poo
     before = server.metrics()
 
     async def one(client, i):
+        # A dropped request asks for more than the others, so that most drops land while it runs.
         stream = await client.completions.create(model="code", prompt=prompts[i], max_tokens=160 if i in drop else 24,
                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
         text, chunks = "", 0
@@ -290,21 +302,13 @@ def test_64_streams_with_random_disconnects_leave_the_rest_identical_and_the_poo
     for i, text in enumerate(texts):
         if i not in drop:
             assert text == local.generate(prompts[i], params).text, i
-    after = _when_idle(server)  # aborts land within a step or two
-    key = (("model_name", "code"),)
-    assert after[("vllm:num_requests_running", key)] == 0 and after[("vllm:kv_cache_usage_perc", key)] == 0.0
-
-    def delta(name, labels=(("model_name", "code"),)):
-        return after.get((name, labels), 0) - before.get((name, labels), 0)
-
-    def ended(reason):
-        return delta("vllm:request_success_total", (("finished_reason", reason), ("model_name", "code")))
-
+    after = _idle_and_whole(server)
     # A dropped request ends as "abort", or as "length" when the server streamed all of it before
     # the client read its third chunk: on 2 shared cores the 64-stream client lags the engine by
     # whole requests, so how many abort is timing (the test below pins the abort itself down).
-    assert ended("length") + ended("abort") == 64 and ended("stop") == 0 and ended("length") >= 48
-    assert delta("vllm:prompt_tokens_total") == sum(len(local.encode(p)) for p in prompts)
+    ended = {reason: _ended(after, before, reason) for reason in ("abort", "length", "stop")}
+    assert ended["length"] + ended["abort"] == 64 and ended["stop"] == 0 and ended["length"] >= 48
+    assert _delta(after, before, "vllm:prompt_tokens_total") == sum(len(local.encode(p)) for p in prompts)
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -314,7 +318,6 @@ def test_a_client_that_leaves_aborts_its_request_and_frees_its_blocks(server, lo
     # could end (generation tokens are the engine's count, not what the client read).
     prompt = "def leave(x):\n"
     max_tokens = 256 - len(local.encode(prompt)) - 1
-    key = (("model_name", "code"),)
     before = server.metrics()
     body = json.dumps({"model": "code", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": stream}).encode()
@@ -329,18 +332,13 @@ def test_a_client_that_leaves_aborts_its_request_and_frees_its_blocks(server, lo
                 received += data
         else:
             deadline = time.time() + 10
-            while server.metrics()[("vllm:num_requests_running", key)] == 0 and time.time() < deadline:
+            while server.metrics()[("vllm:num_requests_running", CODE)] == 0 and time.time() < deadline:
                 time.sleep(0.005)
-    after = _when_idle(server)
-    assert after[("vllm:num_requests_running", key)] == 0 and after[("vllm:kv_cache_usage_perc", key)] == 0.0
-
-    def delta(name, labels=key):
-        return after.get((name, labels), 0) - before.get((name, labels), 0)
-
-    ended = {reason: delta("vllm:request_success_total", (("finished_reason", reason), *key))
-             for reason in ("abort", "length", "stop")}
-    assert ended == {"abort": 1, "length": 0, "stop": 0}
-    assert 0 < delta("vllm:generation_tokens_total") < max_tokens // 2, delta("vllm:generation_tokens_total")
+    after = _idle_and_whole(server)
+    assert {reason: _ended(after, before, reason) for reason in ("abort", "length", "stop")} == \
+        {"abort": 1, "length": 0, "stop": 0}
+    generated = _delta(after, before, "vllm:generation_tokens_total")
+    assert 0 < generated < max_tokens // 2, generated
 
 
 def test_metrics_parse_and_count_what_was_sent(server, local):
@@ -353,14 +351,10 @@ def test_metrics_parse_and_count_what_was_sent(server, local):
                                       extra_body={"ignore_eos": True})
         sent_in, sent_out = sent_in + r.usage.prompt_tokens, sent_out + r.usage.completion_tokens
     after = server.metrics()
-    key = (("model_name", "code"),)
-    assert after[("vllm:prompt_tokens_total", key)] - before.get(("vllm:prompt_tokens_total", key), 0) == sent_in
-    assert after[("vllm:generation_tokens_total", key)] - before.get(("vllm:generation_tokens_total", key), 0) \
-        == sent_out == 21
-    assert after[("vllm:time_to_first_token_seconds_count", key)] \
-        - before.get(("vllm:time_to_first_token_seconds_count", key), 0) == 3
-    assert after[("vllm:inter_token_latency_seconds_count", key)] \
-        - before.get(("vllm:inter_token_latency_seconds_count", key), 0) == 18
+    assert _delta(after, before, "vllm:prompt_tokens_total") == sent_in
+    assert _delta(after, before, "vllm:generation_tokens_total") == sent_out == 21
+    assert _delta(after, before, "vllm:time_to_first_token_seconds_count") == 3
+    assert _delta(after, before, "vllm:inter_token_latency_seconds_count") == 18
 
 
 def test_full_queue_answers_429_with_retry_after(code_engine):
