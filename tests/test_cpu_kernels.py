@@ -187,10 +187,11 @@ def test_rotary_tables_indexed_by_position_give_the_per_token_bits(case):
         indexed.run(None, short)
 
 
-@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (3, 40, 70), (8, 64, 32), (13, 17, 5), (20, 33, 64),
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), *((r, 40, 70) for r in range(2, 8)), (8, 64, 32), (9, 40, 70),
+                                     (10, 40, 70), (11, 40, 70), (12, 40, 70), (13, 17, 5), (20, 33, 64),
                                      (37, 96, 100)])
 def test_packed_matmul_matches_numpy(rows, k, n):
-    """Every row-tile size (12/8/4/1) and a partial last column panel."""
+    """Every row-tile size (1 to 12, then passes of 12 and the rest) and a partial last column panel."""
     rng = np.random.default_rng(rows)
     x, w = rng.standard_normal((1, rows, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
     sess = _session("PackedMatMul", ["x", "w"], ["y"], n=n)
@@ -304,7 +305,7 @@ LOSSLESS_OPS = {  # op -> (its inputs before the lossless one, the width of its 
 
 
 @pytest.mark.parametrize("op", LOSSLESS_OPS)
-@pytest.mark.parametrize("rows", [1, 3, 5, 8, 13])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 13])
 def test_lossless_weights_give_the_fp32_bits(op, rows):
     """Up to 8 rows the ops read the lossless copy (a corrupted copy changes the output, so the
     path is exercised), and the output equals the fp32 weight's to the bit; above, the fp32 one."""

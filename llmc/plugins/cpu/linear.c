@@ -23,7 +23,7 @@
 /* Rows [0, R) of x times one panel into out (row stride out_stride). */
 static inline __attribute__((always_inline)) void tile(const float *restrict x, const float *restrict panel,
                                                        float *restrict out, int64_t k, int64_t out_stride,
-                                                       const int R, const int once) {
+                                                       const int once, const int R) {
     v16 a[R][2];
     for (int r = 0; r < R; r++)
         a[r][0] = a[r][1] = (v16){0};
@@ -58,18 +58,11 @@ static void panels_vec(const float *x, const float *w_packed, float *y, int64_t 
         const float *panel = w_packed + p * k * LLMC_PANEL;
         int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;
         for (int64_t r = 0; r < m;) {
-            int64_t rows = m - r >= 12 ? 12 : m - r >= 8 ? 8 : (m - r >= 4 ? 4 : 1);
+            int64_t rows = m - r >= 12 ? 12 : m - r;
             /* A partial last panel is computed into a scratch tile, then its valid columns copied. */
             float *out = width == LLMC_PANEL ? y + r * n + col : tail;
             int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;
-            if (rows == 12)
-                tile(x + r * k, panel, out, k, stride, 12, once);
-            else if (rows == 8)
-                tile(x + r * k, panel, out, k, stride, 8, once);
-            else if (rows == 4)
-                tile(x + r * k, panel, out, k, stride, 4, once);
-            else
-                tile(x + r * k, panel, out, k, stride, 1, once);
+            LLMC_ROWS_12(rows, tile, x + r * k, panel, out, k, stride, once);
             if (width != LLMC_PANEL)
                 for (int64_t i = 0; i < rows; i++)
                     memcpy(y + (r + i) * n + col, tail + i * LLMC_PANEL, (size_t)width * sizeof(float));
@@ -265,15 +258,10 @@ void llmc_linear_lossless(const float *x, const uint8_t *w, float *y, int64_t m,
         const int32_t *exc = exceptions + 2 * (int64_t)offsets[p], *exc_end = exceptions + 2 * (int64_t)offsets[p + 1];
         int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;
         for (int64_t r = 0; r < m;) {
-            int64_t rows = m - r >= 8 ? 8 : (m - r >= 4 ? 4 : 1);
+            int64_t rows = m - r >= 8 ? 8 : m - r;
             float *out = width == LLMC_PANEL ? y + r * n + col : tail;
             int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;
-            if (rows == 8)
-                lossless_tile(x + r * k, panel, exc, exc_end, out, k, stride, 8);
-            else if (rows == 4)
-                lossless_tile(x + r * k, panel, exc, exc_end, out, k, stride, 4);
-            else
-                lossless_tile(x + r * k, panel, exc, exc_end, out, k, stride, 1);
+            LLMC_ROWS_8(rows, lossless_tile, x + r * k, panel, exc, exc_end, out, k, stride);
             if (width != LLMC_PANEL)
                 for (int64_t i = 0; i < rows; i++)
                     memcpy(y + (r + i) * n + col, tail + i * LLMC_PANEL, (size_t)width * sizeof(float));

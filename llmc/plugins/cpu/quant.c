@@ -34,9 +34,7 @@
 #endif
 #define HALF_AHEAD 8192     /* the 16-bit tile's: half the fp32 tile's 16 KB, the same k steps ahead */
 #define ONE_PASS_ROWS 2     /* rows per tile: more rows take another pass over the panel, from cache */
-#ifndef VNNI_ROWS
-#define VNNI_ROWS 4 /* the VNNI tile's: 32 zmm registers hold 4 rows' accumulators */
-#endif
+#define VNNI_ROWS 4 /* the VNNI tile's: 5 to 8 rows a pass measured no faster than 4 and the rest */
 
 static int64_t group_bytes(int bits) { return (bits == 8 ? 4 : bits == 6 ? 3 : 2) * LLMC_PANEL; }
 /* What a symmetric format stores each q plus, so the kernel's weight operand is unsigned. */
@@ -204,8 +202,8 @@ static void half_panel_plain(const float *x, const uint16_t *panel, float *out, 
 /* Rows [0, R) of the quantized activations from row0, times one quantized panel, into out. */
 static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qact *a, int64_t row0,
                                                                   const uint8_t *panel, float *out,
-                                                                  int64_t out_stride, const int R, const int bits,
-                                                                  const int zp, const int once) {
+                                                                  int64_t out_stride, const int bits, const int zp,
+                                                                  const int once, const int R) {
     const int64_t k = a->k, B = a->block, nb = k / B, gb = group_bytes(bits);
     const int64_t bb = llmc_quant_block_bytes(bits, B, zp), span = bits == 4 ? SUB : B;
     const int8_t *xq[R];
@@ -351,7 +349,7 @@ static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t 
 }
 
 /* One format's panels [p0, p1): the tile specialized per (rows, format) at compile time, at most
- * MAXR (2 or 4) rows a pass. */
+ * MAXR (2 or 4: a literal, LLMC_ROWS_<MAXR> dispatches) rows a pass. */
 #define QUANT_PANELS(NAME, TILE, TARGET, BITS, ZP, MAXR)                                                  \
     static TARGET void NAME(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int64_t p0, int64_t p1) { \
         float tail[MAXR * LLMC_PANEL];                                                                    \
@@ -361,15 +359,10 @@ static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t 
             const uint8_t *panel = w + p * bytes;                                                         \
             int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;            \
             for (int64_t r = 0; r < a->m;) {                                                              \
-                int64_t rows = MAXR == 4 && a->m - r >= 4 ? 4 : a->m - r >= 2 ? 2 : 1;                    \
+                int64_t rows = a->m - r >= MAXR ? MAXR : a->m - r;                                        \
                 float *out = width == LLMC_PANEL ? y + r * n + col : tail;                                \
                 int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;                                    \
-                if (MAXR == 4 && rows == 4)                                                               \
-                    TILE(a, r, panel, out, stride, 4, BITS, ZP, once);                                    \
-                else if (rows == 2)                                                                       \
-                    TILE(a, r, panel, out, stride, 2, BITS, ZP, once);                              \
-                else                                                                                      \
-                    TILE(a, r, panel, out, stride, 1, BITS, ZP, once);                              \
+                LLMC_ROWS_##MAXR(rows, TILE, a, r, panel, out, stride, BITS, ZP, once);                   \
                 if (width != LLMC_PANEL)                                                                  \
                     for (int64_t i = 0; i < rows; i++)                                                    \
                         memcpy(y + (r + i) * n + col, tail + i * LLMC_PANEL, (size_t)width * sizeof(float)); \
@@ -457,8 +450,8 @@ static inline __attribute__((always_inline)) VNNI void vnni_group(const uint8_t 
 
 static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact *a, int64_t row0,
                                                                  const uint8_t *panel, float *out,
-                                                                 int64_t out_stride, const int R, const int bits,
-                                                                 const int zp, const int once) {
+                                                                 int64_t out_stride, const int bits, const int zp,
+                                                                 const int once, const int R) {
     const int64_t k = a->k, B = a->block, nb = k / B, gb = group_bytes(bits);
     const int64_t bb = llmc_quant_block_bytes(bits, B, zp);
     const int8_t *xq[R];

@@ -61,4 +61,35 @@ static inline int llmc_avx2(void) {
             PREFETCH(p);                                                                           \
     } while (0)
 
+/* TILE(..., R) for rows = R, each R a constant: register-blocked tiles are specialized per row
+ * count, so a product of up to LLMC_ROWS_<max> rows takes one pass over its weights (a speculative
+ * step's k + 1 rows, or an in-flight batch of 5, rather than 4 rows and another pass for 1). */
+#define LLMC_ROWS_2(rows, TILE, ...)                                                               \
+    switch (rows) {                                                                                \
+    case 2: TILE(__VA_ARGS__, 2); break;                                                           \
+    default: TILE(__VA_ARGS__, 1); break;                                                          \
+    }
+#define LLMC_ROWS_4(rows, TILE, ...)                                                               \
+    switch (rows) {                                                                                \
+    case 4: TILE(__VA_ARGS__, 4); break;                                                           \
+    case 3: TILE(__VA_ARGS__, 3); break;                                                           \
+    default: LLMC_ROWS_2(rows, TILE, __VA_ARGS__);                                                 \
+    }
+#define LLMC_ROWS_8(rows, TILE, ...)                                                               \
+    switch (rows) {                                                                                \
+    case 8: TILE(__VA_ARGS__, 8); break;                                                           \
+    case 7: TILE(__VA_ARGS__, 7); break;                                                           \
+    case 6: TILE(__VA_ARGS__, 6); break;                                                           \
+    case 5: TILE(__VA_ARGS__, 5); break;                                                           \
+    default: LLMC_ROWS_4(rows, TILE, __VA_ARGS__);                                                 \
+    }
+#define LLMC_ROWS_12(rows, TILE, ...)                                                              \
+    switch (rows) {                                                                                \
+    case 12: TILE(__VA_ARGS__, 12); break;                                                         \
+    case 11: TILE(__VA_ARGS__, 11); break;                                                         \
+    case 10: TILE(__VA_ARGS__, 10); break;                                                         \
+    case 9: TILE(__VA_ARGS__, 9); break;                                                           \
+    default: LLMC_ROWS_8(rows, TILE, __VA_ARGS__);                                                 \
+    }
+
 #endif
