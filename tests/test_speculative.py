@@ -13,7 +13,7 @@ from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.llm import LLM
 from llmc.runtime.request import Request
 from llmc.runtime.sampling import SamplingParams, distribution, sample_from, verify
-from llmc.runtime.speculative import NgramProposer
+from llmc.runtime.speculative import NgramProposer, _Bucket
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=48, chunk_size=16)
 # code-small repeats itself after this prompt (it does not copy its input: docs/speculative.md),
@@ -298,6 +298,22 @@ def test_speculation_never_makes_a_stream_of_misses_slower_in_steps(code_engines
     m = out.metrics
     assert not math.isnan(m.tokens_per_step) and m.tokens_per_step >= 1.0
     assert m.proposed_tokens < 3 * len(out.token_ids)
+
+
+@pytest.mark.parametrize("gain", [2.0, 0.5, 1.02])
+def test_the_cap_choice_settles_on_the_fastest_and_measuring_loses_little(gain):
+    """Steps of one second whose tokens depend on the cap: the choice must settle on the cap with
+    the most tokens per second (plain decoding unless speculating beats it by 5%), and what
+    measuring the others loses must stay near the 1% budget."""
+    tokens = {0: 1.0, 1: 1.0 + (gain - 1.0) / 2, 4: gain}
+    bucket = _Bucket([0, 1, 4])
+    steps, got = 5000, 0.0
+    for _ in range(steps):
+        got += tokens[bucket.cap]
+        bucket.record(tokens[bucket.cap], 1.0)
+    best = 4 if gain > 1.05 else 0
+    assert bucket.best() == best
+    assert got >= 0.98 * tokens[best] * steps
 
 
 def test_sliding_window_model_speculates_losslessly(engines):

@@ -46,6 +46,8 @@ def load_engine(engine: str | Path | EngineFiles, options: RuntimeOptions | None
     return Engine(files, options)
 
 
+TABLE_STEP = 16  # forward_rows pads block tables to a multiple of this many blocks
+
 class Engine:
     def __init__(self, engine: str | Path | EngineFiles, options: RuntimeOptions | None = None):
         options = options or RuntimeOptions()
@@ -164,7 +166,13 @@ class Engine:
         a decode step's inputs are a few scalars, and building them as arrays first (then copying)
         took a measurable share of a batch-1 step (docs/attention_cpu.md)."""
         seq = max(len(r.tokens) for r in rows) if seq is None else seq
-        step = self._bound(len(rows), seq, max(len(r.block_table) for r in rows), logits_indices)
+        width = max(len(r.block_table) for r in rows)
+        # Tables padded (with the scratch block) to a multiple of TABLE_STEP blocks: a step's shape,
+        # and so its bound buffers and ONNX Runtime's plan for it, then change every TABLE_STEP
+        # blocks of context instead of every block, and steps that alternate row lengths
+        # (speculation) find their shapes bound; a new shape's first run costs ~0.2 ms.
+        width = max(width, min(-(-width // TABLE_STEP) * TABLE_STEP, -(-self.max_context // self.block_size)))
+        step = self._bound(len(rows), seq, width, logits_indices)
         fill(rows, step.inputs, step.inputs[io.LOGITS_INDICES] if logits_indices is None else None)
         return self._run(step)
 

@@ -9,10 +9,11 @@ its own paged cache, stepping every speculating row as one batch).
 
 Adaptive: each request estimates how often a proposed token is accepted (given the ones before
 it were) and proposes the j-th token only while that chance to the power j is at least
-MIN_CHANCE, pausing with a backoff below it. Per step, the cap on the proposal length is the one
-with the most output tokens per second of whole step measured on this engine at this batch size,
-so speculation steps aside where verifying costs more than it gains (large batches, misses, a
-draft that is slow for what it gets right). docs/speculative.md has the numbers.
+MIN_CHANCE, pausing with a backoff below it. Per step, the cap on the proposal length (none, one
+token or k) is the one with the most output tokens per second of whole steps measured on this
+engine at this batch size, over epochs of several steps; so speculation steps aside where
+verifying costs more than it gains (large batches, misses, a draft that is slow for what it gets
+right). docs/speculative.md has the numbers.
 """
 
 from __future__ import annotations
@@ -36,16 +37,16 @@ PRIOR_HITS, PRIOR_TRIALS = 1.5, 2.0  # a new request's estimate, 0.75: optimisti
 DECAY = 0.7  # weight of the earlier steps in a request's acceptance estimate
 MAX_BACKOFF = 64  # steps a paused request waits at most before it probes again
 MIN_GAIN = 1.05  # speculate only when its measured tokens per second beat plain decoding's by this
-SAMPLES = 3  # steps measured per (batch size, cap) before the choice between caps is made
-RUNS_KEPT = 8  # the latest steps per (batch size, cap) that its rate is measured over
-PROBE_COST = 100  # decoding time between probes of an untaken cap, in multiples of the last probe's
+EPOCH = 16  # decode steps the best cap runs between looks at the choice
+PROBE_STEPS = 4  # decode steps of a measurement of another cap: short, since a bad cap costs while measured
+EPOCH_DECAY = 0.5  # weight of a cap's earlier epochs against its latest
+LOSS_BUDGET = 0.01  # the share of decoding time that measuring caps other than the best may lose
+PROBE_WAIT = 8  # decoding at the best cap between measurements, in multiples of the last one's time, at least
 
 
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
     last n tokens (n from `max_n` down to `min_n`), from a per-request index of n-grams."""
-
-    cheap = True  # a lookup costs far less than a step: look, then decide
 
     def __init__(self, min_n: int, max_n: int):
         self.sizes = range(max_n, min_n - 1, -1)
@@ -86,8 +87,6 @@ class _DraftSeq:
 
 class DraftProposer:
     """A smaller engine proposes by decoding k tokens for every speculating row at once."""
-
-    cheap = False
 
     def __init__(self, path: str | Path, target: Engine, tokenizer_file: Path, options):
         from llmc.contract.engine_dir import open_engine
@@ -192,6 +191,75 @@ class _RowState:
         return self.hits / self.trials
 
 
+@dataclass
+class _Rate:
+    """Output tokens over seconds of whole steps (proposing, verifying, accepting)."""
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def value(self) -> float:
+        return self.tokens / self.seconds
+
+
+class _Bucket:
+    """The choice of cap at one batch-size bucket, measured in epochs of several decode steps
+    (EPOCH at the best cap, PROBE_STEPS measuring another), so the step-to-step noise of a shared
+    machine and the mix of requests average out; a cap's epochs are pooled, the older ones
+    decayed by EPOCH_DECAY."""
+
+    def __init__(self, caps: list[int]):
+        self.caps = caps
+        self.rates: dict[int, _Rate] = {}
+        self.cap = caps[0]  # the cap of the running epoch
+        self.probing = True  # the running epoch measures a cap rather than uses the best
+        self.epoch, self.left = _Rate(), PROBE_STEPS
+        self.wait = 0.0  # seconds of decoding at the best cap before the next probe
+        self.turn = 0  # which of the other caps the next probe measures
+
+    def record(self, tokens: int, seconds: float) -> bool:
+        """Add a step; True when it ended an epoch (and the next epoch's cap is chosen)."""
+        self.epoch.tokens += tokens
+        self.epoch.seconds += seconds
+        self.left -= 1
+        if self.left:
+            return False
+        spent, rate, pooled = self.epoch.seconds, self.epoch.value, self.rates.get(self.cap)
+        if pooled is not None:
+            self.epoch.tokens += EPOCH_DECAY * pooled.tokens
+            self.epoch.seconds += EPOCH_DECAY * pooled.seconds
+        self.rates[self.cap] = self.epoch
+        if self.probing:  # wait so that measuring costs at most LOSS_BUDGET of the time
+            loss = max(0.0, 1.0 - rate / max(r.value for r in self.rates.values()))
+            self.wait = spent * max(PROBE_WAIT, loss / LOSS_BUDGET)
+        else:
+            self.wait -= spent
+        self.cap, self.probing = self._next()
+        self.epoch, self.left = _Rate(), PROBE_STEPS if self.probing else EPOCH
+        return True
+
+    def best(self) -> int:
+        """The measured cap with the most tokens per second; speculating must beat plain
+        decoding by MIN_GAIN."""
+        plain = self.rates[0].value
+        best = max(self.rates, key=lambda c: self.rates[c].value)
+        return best if best and self.rates[best].value > MIN_GAIN * plain else 0
+
+    def _next(self) -> tuple[int, bool]:
+        """The next epoch's cap, and whether it measures: a cap not yet measured, or one that is
+        not the best once the wait after the last measurement has passed (a cap close to the best
+        is measured again soon, one far behind it rarely)."""
+        unmeasured = [c for c in self.caps if c not in self.rates]
+        if unmeasured:
+            return unmeasured[0], True
+        best = self.best()
+        if self.wait > 0:
+            return best, False
+        others = [c for c in self.caps if c != best]
+        self.turn = (self.turn + 1) % len(others)
+        return others[self.turn], True
+
+
 class Speculator:
     """Proposes for decoding requests before each step and learns from what was accepted."""
 
@@ -199,14 +267,12 @@ class Speculator:
         self.proposer = proposer
         self.max_tokens = max_tokens
         self.adaptive = adaptive
-        # The step's proposal caps it chooses between: none, powers of two, the most allowed.
-        self.caps = sorted({0, max_tokens} | {1 << i for i in range(max_tokens.bit_length()) if 1 << i < max_tokens})
+        # The caps a batch size chooses between: none, one token, the most allowed.
+        self.caps = sorted({0, 1, max_tokens})
         self._rows: dict[str, _RowState] = {}
-        self._runs: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (batch bucket, cap): (tokens, seconds)
-        self._probe_wait: dict[int, float] = {}  # per batch bucket: seconds of decoding left before a probe
+        self._buckets: dict[int, _Bucket] = {}
         self._lost: set[int] = set()  # batch buckets where speculating measured no faster
-        self._probing = False  # the running step measures a cap rather than uses the best
-        self._pending: tuple[int, int] | None = None  # the running step's (bucket, cap)
+        self._pending: int | None = None  # the running step's batch bucket, when it is measured
         self._started = 0.0
 
     def propose(self, decoding: list[Request], remaining) -> None:
@@ -216,9 +282,11 @@ class Speculator:
         cap = self.max_tokens
         if self.adaptive:
             bucket = _bucket(len(decoding))
-            cap = self._choose(bucket)
-            self._pending = (bucket, cap)
-            if cap == 0:  # the common case once speculation does not pay: nothing more to do
+            if any(b < bucket for b in self._lost):  # verifying costs more the larger the batch
+                return
+            self._pending = bucket
+            cap = self._buckets.setdefault(bucket, _Bucket(self.caps)).cap
+            if cap == 0:
                 return
         ks = [max(min(self._wanted(r), cap, remaining(r) - 1), 0) for r in decoding]
         self.proposer.propose(decoding, ks)
@@ -240,42 +308,6 @@ class Speculator:
                 return 1
         return k
 
-    def _choose(self, bucket: int) -> int:
-        """The cap with the most output tokens per second of whole step measured at this batch
-        size. Caps are measured SAMPLES steps each, upwards from none, and a larger one only while
-        the last was no worse than the best below it; a batch size above one where speculating
-        lost is not tried (verifying costs more the larger the batch). Then the best is used
-        (speculation must beat none by MIN_GAIN), and the next larger cap is probed again once
-        decoding has run PROBE_COST times as long as the last probe took, so probes cost about
-        1 / PROBE_COST of the time (costs drift as contexts grow and neighbours come and go)."""
-        if any(b < bucket for b in self._lost):
-            return 0
-        best = 0
-        for i, cap in enumerate(self.caps):
-            rate = self._rate(bucket, cap)
-            if rate is None:
-                self._probing = True
-                return cap
-            if rate < self._rate(bucket, self.caps[best]):
-                break
-            best = i
-        if best and self._rate(bucket, self.caps[best]) <= MIN_GAIN * self._rate(bucket, 0):
-            best = 0
-        if best == 0:
-            self._lost.add(bucket)
-        else:
-            self._lost.discard(bucket)
-        if self._probe_wait.get(bucket, 0.0) <= 0 and best + 1 < len(self.caps):
-            self._probing = True
-            return self.caps[best + 1]
-        return self.caps[best]
-
-    def _rate(self, bucket: int, cap: int) -> float | None:
-        measured = self._runs.get((bucket, cap), ())
-        if len(measured) < SAMPLES:
-            return None
-        return sum(t for t, _ in measured) / sum(seconds for _, seconds in measured)
-
     def verified(self, r: Request, proposed: int, accepted: int) -> None:
         """Learn from a request's step: `accepted` of its `proposed` tokens were kept."""
         s = self._rows.get(r.request_id)
@@ -287,18 +319,18 @@ class Speculator:
             s.backoff, s.wait = 1, 0
 
     def step_done(self, tokens: int | None) -> None:
-        """Record the step's output tokens and whole time (proposing, verifying, accepting) under
-        its cap; None: the step also prefilled, so it says nothing about decoding."""
-        pending, self._pending = self._pending, None
-        probing, self._probing = self._probing, False
-        # A draft's catch-up over a new prompt counts: it is what speculating with it costs.
-        seconds = time.perf_counter() - self._started
-        if pending is None:
+        """Record the step's output tokens and whole time (proposing, verifying, accepting) in its
+        batch size's epoch; None: the step also prefilled, so it says nothing about decoding."""
+        bucket, self._pending = self._pending, None
+        if bucket is None or tokens is None:
             return
-        bucket = pending[0]
-        self._probe_wait[bucket] = PROBE_COST * seconds if probing else self._probe_wait.get(bucket, 0.0) - seconds
-        if tokens:
-            self._runs.setdefault(pending, deque(maxlen=RUNS_KEPT)).append((tokens, seconds))
+        # A draft's catch-up over a new prompt counts: it is what speculating with it costs.
+        measured = self._buckets[bucket]
+        if measured.record(tokens, time.perf_counter() - self._started) and 0 in measured.rates:
+            if measured.cap == 0 and not measured.probing:
+                self._lost.add(bucket)
+            else:
+                self._lost.discard(bucket)
 
     def release(self, r: Request) -> None:
         self._rows.pop(r.request_id, None)
