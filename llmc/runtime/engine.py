@@ -48,6 +48,7 @@ def load_engine(engine: str | Path | EngineFiles, options: RuntimeOptions | None
 
 TABLE_STEP = 16  # forward_rows pads block tables to a multiple of this many blocks
 
+
 class Engine:
     def __init__(self, engine: str | Path | EngineFiles, options: RuntimeOptions | None = None):
         options = options or RuntimeOptions()
@@ -64,6 +65,7 @@ class Engine:
         self.kv = manifest.kv_cache
         self.block_size = self.kv.block_size
         self.max_context = manifest.max_context
+        self.context_blocks = -(-self.max_context // self.block_size)  # the blocks a full context fills
         self.io = manifest.io
         self.num_blocks = self._pool_blocks(options.kv_cache_blocks, options.kv_cache_bytes)  # before the slow load
 
@@ -125,7 +127,7 @@ class Engine:
             if budget < 2 * per_block:
                 raise LlmcError(f"kv_cache_bytes {budget} holds fewer than 2 blocks of {per_block} bytes; raise it")
             # No point in more than a full context for 64 sequences.
-            cap = 64 * -(-self.max_context // self.block_size) + 1
+            cap = 64 * self.context_blocks + 1
             blocks = int(min(budget // per_block, cap))
         import psutil
 
@@ -171,7 +173,7 @@ class Engine:
         # and so its bound buffers and ONNX Runtime's plan for it, then change every TABLE_STEP
         # blocks of context instead of every block, and steps that alternate row lengths
         # (speculation) find their shapes bound; a new shape's first run costs ~0.2 ms.
-        width = max(width, min(-(-width // TABLE_STEP) * TABLE_STEP, -(-self.max_context // self.block_size)))
+        width = max(width, min(-(-width // TABLE_STEP) * TABLE_STEP, self.context_blocks))
         step = self._bound(len(rows), seq, width, logits_indices)
         fill(rows, step.inputs, step.inputs[io.LOGITS_INDICES] if logits_indices is None else None)
         return self._run(step)
