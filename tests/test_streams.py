@@ -57,7 +57,7 @@ def test_every_stream_ends_under_random_aborts_and_failing_consumers(llama_engin
     aborted: set[str] = set()  # ids whose abort() returned True
     finals: dict[str, tuple] = {}  # id -> (last snapshot, joined deltas, max_tokens) of streams read to the end
     live: set[str] = set()  # streams their consumer did not close (one that raised leaves its stream open)
-    left_running: list[str] = []  # closed streams whose request kept running
+    closed: dict[str, tuple] = {}  # id -> (live output, its token count at the close, max_tokens)
 
     async def main():
         engine = AsyncLLM(llama_engine)
@@ -86,9 +86,10 @@ def test_every_stream_ends_under_random_aborts_and_failing_consumers(llama_engin
                 elif behaviour == "raise" and seen == k and not out.finished:
                     raise Boom  # the stream is left unclosed; its finalizer aborts the request
                 elif behaviour == "close" and seen == k and not out.finished:
+                    if rid in engine._streams:  # not already ended (aborted, or its final snapshot queued)
+                        request = engine._streams[rid].out
+                        closed[rid] = (request, len(request.token_ids), max_tokens)
                     await stream.aclose()
-                    if engine.llm.output(rid) is not None:  # neither aborted nor finished in the step in flight
-                        left_running.append(rid)
                     live.discard(rid)
                     return
             live.discard(rid)
@@ -113,14 +114,16 @@ def test_every_stream_ends_under_random_aborts_and_failing_consumers(llama_engin
         await _settle(engine)
 
     _run(main)
-    assert not left_running
+    for rid, (request, at_close, max_tokens) in closed.items():  # at most the step in flight ran on
+        assert request.finish_reason == "abort" or len(request.token_ids) == max_tokens, rid
+        assert len(request.token_ids) <= at_close + 1, rid
     for rid, (out, text, max_tokens) in finals.items():
         assert out.finished and text == out.text, rid
         if rid in aborted:
             assert out.finish_reason == "abort" and len(out.token_ids) < max_tokens, rid
         else:
             assert out.finish_reason == "length" and len(out.token_ids) == max_tokens, rid
-    assert aborted and len(finals) > len(jobs) // 2  # the workload did what it says
+    assert aborted and closed and len(finals) > len(jobs) // 2  # the workload did what it says
 
 
 @pytest.mark.parametrize("abort_at,expect", [(3, "length"), (2, "abort")])
@@ -160,15 +163,50 @@ def test_abort_racing_the_step_in_flight(llama_engine, abort_at, expect):
     assert "".join(o.delta for o in outs) == last.text
 
 
+def test_the_loop_adds_and_aborts_while_a_step_runs(llama_engine):
+    """A step can take a long time (a long prefill); requests that arrive meanwhile are accepted and
+    aborts answered without waiting for it, and both take effect before the next step."""
+    async def main():
+        engine = AsyncLLM(llama_engine)
+        backend = engine.llm.engine
+        real_forward, in_step, release = backend.forward_rows, threading.Event(), threading.Event()
+
+        def held_forward(*args):  # the first step's graph run, held until the test lets it go
+            in_step.set()
+            release.wait(TIMEOUT)
+            return real_forward(*args)
+
+        backend.forward_rows = held_forward
+        first = await engine.add_request("the first", SamplingParams(max_tokens=4, ignore_eos=True))
+        while not in_step.is_set():
+            await asyncio.sleep(0.001)
+        backend.forward_rows = real_forward  # the held run is the only one
+        later = [await engine.add_request(f"later {i}", SamplingParams(max_tokens=4, ignore_eos=True), f"l{i}")
+                 for i in range(3)]
+        assert engine.num_waiting == 3
+        assert engine.abort("l1") and not engine.abort("l1")
+        gone = [out async for out in later[1]]
+        assert [o.finish_reason for o in gone] == ["abort"] and not gone[0].token_ids
+        release.set()
+        outs = [[out async for out in s] for s in (first, later[0], later[2])]
+        await _settle(engine)
+        assert engine.llm.output("l1") is None and engine.num_waiting == 0
+        return outs
+
+    outs = _run(main)
+    assert all(o[-1].finish_reason == "length" and len(o[-1].token_ids) == 4 for o in outs)
+
+
 def test_closing_a_stream_early_aborts_its_request(llama_engine):
     async def main():
         engine = AsyncLLM(llama_engine)
         stream = await engine.add_request("a long answer", SamplingParams(max_tokens=200, ignore_eos=True))
         async for out in stream:
             break
+        request = engine._streams[out.request_id].out
         await stream.aclose()
-        assert engine.llm.output(out.request_id) is None
-        await _settle(engine)
+        await _settle(engine)  # the engine thread took the abort before its next step
+        assert request.finish_reason == "abort" and len(request.token_ids) <= len(out.token_ids) + 2
 
     _run(main)
 

@@ -5,25 +5,32 @@ and hands each step's results to the event loop, which stays free to accept requ
 one step's tokens while the next step computes. Each request gets an async iterator of
 RequestOutput snapshots (cumulative tokens and text, plus the `delta` text since the previous
 snapshot: one token's, so a speculative step that keeps several tokens yields several snapshots);
-`abort` frees its blocks at once.
+`abort` ends its stream at once.
+
+The loop never waits for a step. New requests are validated on the loop and handed to the engine
+thread, which queues them before its next step; an abort while a step runs ends the stream with
+what it was sent and frees the blocks before the next step (between steps, at once). Waiting on
+the engine's lock instead held the loop, and every stream it serves, for whole steps
+(docs/serve.md, "Under load and faults").
 
 Every stream ends with a finished snapshot ("stop", "length", "abort" or "error"). A stream is
 closed exactly when its final snapshot is queued, by whichever comes first: the step result that
-finishes the request, a successful abort, or an engine failure. A step's results can reach the
-loop after an abort; an abort can land while the step that finishes the request is in flight
-(it then returns False and that step's result ends the stream).
+finishes the request, an abort, or an engine failure. A step's results can reach the loop after
+an abort (they are dropped); an abort that comes after the step in flight finished the request
+returns False, and that step's result ends the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import functools
 import threading
 from pathlib import Path
 from typing import AsyncIterator, Callable, Sequence
 
-from llmc.errors import first_line
+from llmc.errors import RequestError, first_line
 from llmc.runtime.llm import LLM, LONG_TEXT, Prompt
 from llmc.runtime.request import RequestOutput
 from llmc.runtime.sampling import SamplingParams
@@ -33,14 +40,18 @@ class _Stream:
     def __init__(self, out: RequestOutput):
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.out = out  # the live output, for the last snapshot when no step result will come
+        self.last = _copy(out)  # the newest snapshot queued
         self.sent = 0  # characters of text the queued deltas carry
 
 
 class AsyncLLM:
     def __init__(self, engine_dir: str | Path, **options):
         self.llm = LLM(engine_dir, **options)
-        self._lock = threading.Lock()  # the scheduler is touched by the engine thread and the loop
-        self._streams: dict[str, _Stream] = {}  # open streams; touched on the loop only
+        self._lock = threading.Lock()  # held by the engine thread for a step; the loop only tries it
+        self._streams: dict[str, _Stream] = {}  # open streams; changed on the loop only
+        # ("add", Request, _Stream) and ("abort", request id, live output), from the loop to the
+        # engine thread, which takes them before each step (deque appends and pops are atomic).
+        self._commands: collections.deque = collections.deque()
         self._wake = threading.Event()  # set when there may be work for the engine thread
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # where step results are delivered
@@ -50,9 +61,12 @@ class AsyncLLM:
         """Queue a request (validation errors raise here) and return its stream of outputs.
         Closing the stream before its final snapshot aborts the request."""
         prompt = await self.tokenize(prompt)
-        with self._lock:  # output() is None once the request finished: take it before a step can run
-            rid = self.llm.add_request(prompt, params, request_id)
-            stream = self._streams[rid] = _Stream(self.llm.output(rid))
+        if request_id is not None and request_id in self._streams:  # queued, not yet known to the engine
+            raise RequestError(f"request id {request_id!r} is already in use; pass a unique id")
+        request = self.llm.make_request(prompt, params or SamplingParams(), request_id)
+        rid = request.request_id
+        stream = self._streams[rid] = _Stream(request.out)
+        self._commands.append(("add", request, stream))
         self._loop = asyncio.get_running_loop()
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._engine, name="llmc-engine", daemon=True)
@@ -65,22 +79,42 @@ class AsyncLLM:
         return await tokenizing(functools.partial(self.llm.tokenize, prompt),
                                 len(prompt) if isinstance(prompt, str) else 0)
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; its stream ends with an "abort" snapshot. False if
-        it is unknown or already finished (its stream then still gets its final snapshot)."""
-        with self._lock:
-            aborted = self.llm.abort(request_id)
-        if aborted and request_id in self._streams:
-            self._end(request_id)
-        return aborted
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled, those the engine thread has not taken yet included."""
+        return len(self.llm.scheduler.waiting) + sum(c[0] == "add" for c in tuple(self._commands))
 
-    def _end(self, rid: str, error: str | None = None) -> None:
-        """Queue a stream's last snapshot from its live output and close the stream."""
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; its stream ends at once with an "abort" snapshot, and its blocks are
+        freed now or, while a step runs, before the next one. False if it is unknown or already
+        finished (its stream then still gets its final snapshot)."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.out.finished:
+            return False
+        if self._lock.acquire(blocking=False):  # between steps: the live output holds still
+            try:
+                if stream.out.finished:
+                    return False
+                self.llm.abort(request_id)  # False when the engine thread has not taken it yet: it drops it
+                self._end(request_id)
+            finally:
+                self._lock.release()
+        else:  # the step in flight may still add tokens: the stream ends with those it was sent
+            self._commands.append(("abort", request_id, stream.out))
+            self._end(request_id, sent_only=True)
+            self._wake.set()
+        return True
+
+    def _end(self, rid: str, error: str | None = None, sent_only: bool = False) -> None:
+        """Queue a stream's last snapshot, from its live output (or the last one it was sent),
+        and close the stream."""
         stream = self._streams.pop(rid)
-        out = _copy(stream.out)
+        out = _copy(stream.last if sent_only else stream.out)
         out.delta = out.text[stream.sent:]  # also the text of a step result that will be dropped
         if error is not None and out.finish_reason in (None, "abort"):
             out.finish_reason, out.error = "error", error
+        elif out.finish_reason is None:  # aborted before the engine took it, or while a step runs
+            out.finish_reason = "abort"
         stream.queue.put_nowait(out)
 
     def _fail_all(self, message: str) -> None:
@@ -126,9 +160,20 @@ class AsyncLLM:
     def _step(self) -> list[tuple[RequestOutput, RequestOutput]] | None:
         """One engine step's (live output, snapshot) pairs; None when there is nothing to do."""
         with self._lock:
+            self._take_commands()
             if not self.llm.has_unfinished():
                 return None
             return [(r.out, snapshot) for r in self.llm.step() for snapshot in self._snapshots(r)]
+
+    def _take_commands(self) -> None:
+        """The loop's new requests and aborts, in the order it gave them (an id can be reused)."""
+        while self._commands:
+            kind, subject, other = self._commands.popleft()
+            if kind == "add":
+                if self._streams.get(subject.request_id) is other:  # not aborted while queued
+                    self.llm.enqueue(subject)
+            elif self.llm.output(subject) is other:  # still that request, unfinished
+                self.llm.abort(subject)
 
     @staticmethod
     def _snapshots(request) -> list[RequestOutput]:
@@ -154,6 +199,7 @@ class AsyncLLM:
             if stream is None or stream.out is not live:  # aborted while the step ran (its id may be reused)
                 continue
             stream.sent += len(out.delta)
+            stream.last = out
             stream.queue.put_nowait(out)
             if out.finished:
                 del self._streams[out.request_id]

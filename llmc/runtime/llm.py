@@ -100,8 +100,8 @@ class LLM:
         `arrival_time` (a `time.perf_counter()` value, default now) is when the request reached
         the server: a driver that only adds requests between steps passes the real arrival so
         TTFT includes the wait for the running step."""
-        request = self._make_request(prompt, params or SamplingParams(), request_id, arrival_time)
-        self._enqueue(request)
+        request = self.make_request(prompt, params or SamplingParams(), request_id, arrival_time)
+        self.enqueue(request)
         return request.request_id
 
     def abort(self, request_id: str) -> bool:
@@ -196,7 +196,7 @@ class LLM:
         elif isinstance(prompts, (list, tuple)):  # a batch, unless it is one prompt of (would-be) token ids
             single = len(prompts) > 0 and isinstance(prompts[0], (int, float, np.number, np.bool_))
         else:
-            single = True  # a str, or a bad prompt that _make_request explains
+            single = True  # a str, or a bad prompt that make_request explains
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise RequestError("no prompts given; pass a string or a list of strings")
@@ -204,9 +204,9 @@ class LLM:
             params = [params or SamplingParams()] * len(batch)
         elif len(params) != len(batch):
             raise RequestError(f"got {len(params)} SamplingParams for {len(batch)} prompts; pass one or one per prompt")
-        requests = [self._make_request(p, sp) for p, sp in zip(batch, params)]  # validate all first
+        requests = [self.make_request(p, sp) for p, sp in zip(batch, params)]  # validate all first
         for r in requests:
-            self._enqueue(r)
+            self.enqueue(r)
         try:
             while any(not r.finished for r in requests):
                 self.step()
@@ -218,19 +218,22 @@ class LLM:
         return outputs[0] if single else outputs
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Stream:
-        request = self._make_request(prompt, params or SamplingParams())
-        self._enqueue(request)
+        request = self.make_request(prompt, params or SamplingParams())
+        self.enqueue(request)
         return Stream(self, request)
 
     # -- internals --------------------------------------------------------------------------
 
-    def _enqueue(self, request: Request) -> None:
+    def enqueue(self, request: Request) -> None:
+        """Queue a request from `make_request`; it joins the running batch at the next step."""
         request.cache_salt = self._rope_factors(request)
         self._requests[request.request_id] = request
         self.scheduler.add(request)
 
-    def _make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                      arrival_time: float | None = None) -> Request:
+    def make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                     arrival_time: float | None = None) -> Request:
+        """A validated request, not yet queued (`enqueue` queues it). Reads nothing a step changes
+        but the set of live ids, so another thread may call it while a step runs."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids = prompt if isinstance(prompt, Prompt) else self.tokenize(prompt)

@@ -62,7 +62,7 @@ class _Server:
         try:
             engine = AsyncLLM(self.engine_dir, **self.options)
             self.template = ChatTemplate.of(engine.llm, self.chat_template_file)
-            self.metrics = ServerMetrics(engine.llm, self.model)
+            self.metrics = ServerMetrics(engine, self.model)
             self.engine = engine
         except Exception as exc:
             self.load_error = first_line(exc)
@@ -77,7 +77,7 @@ class _Server:
 
     async def start(self, body: _Sampling, prompt: str | list[int] | Prompt, default_max_tokens) -> tuple[str, list]:
         engine = self.ready()
-        waiting = len(engine.llm.scheduler.waiting)
+        waiting = engine.num_waiting
         if waiting + body.n > self.max_waiting:
             raise HttpError(429, f"the server's queue is full ({waiting} requests waiting, at most "
                                  f"{self.max_waiting}); retry later", kind="rate_limit_exceeded",

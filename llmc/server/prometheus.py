@@ -20,11 +20,12 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1,
 class _EngineState:
     """Gauges and cumulative counters read from the engine at scrape time."""
 
-    def __init__(self, llm, model: str):
-        self.llm, self.labels = llm, {"model_name": model}
+    def __init__(self, engine, model: str):
+        self.engine, self.labels = engine, {"model_name": model}
 
     def collect(self):
-        llm, labels = self.llm, self.labels
+        engine, labels = self.engine, self.labels
+        llm = engine.llm
         scheduler, blocks = llm.scheduler, llm.blocks
 
         def gauge(name, doc, value):
@@ -38,7 +39,7 @@ class _EngineState:
             return c
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", len(scheduler.running))
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", len(scheduler.waiting))
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", engine.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "Share of KV-cache blocks in use (1 = full).", blocks.usage)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       blocks.stats.queried_tokens)
@@ -52,9 +53,10 @@ class _EngineState:
 
 
 class ServerMetrics:
-    def __init__(self, llm, model: str):
+    def __init__(self, engine, model: str):
+        """`engine`: the AsyncLLM whose state the gauges read."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineState(llm, model))
+        self.registry.register(_EngineState(engine, model))
         labels = ["model_name"]
         r = self.registry
 
