@@ -6,6 +6,7 @@ verification on, so each build also checks every pass numerically.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -74,3 +75,16 @@ def hf_models():
 @pytest.fixture(scope="session")
 def llama_engine(engines) -> Path:
     return engines("tiny-llama")
+
+
+async def settle_async(engine) -> None:
+    """Wait until an AsyncLLM has no request queued or left, then check that every KV block went
+    back to the pool (aborts while a step runs free their blocks before the next one)."""
+    while True:
+        with engine._lock:  # no step is half done while we look
+            if not engine._commands and not engine.llm.has_unfinished():
+                blocks = engine.llm.blocks
+                assert blocks.num_free == blocks.capacity  # free or cached-evictable, none held
+                blocks.check([])
+                return
+        await asyncio.sleep(0.01)

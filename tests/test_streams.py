@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from conftest import settle_async as _settle
 from llmc.errors import RequestError
 from llmc.runtime.async_llm import AsyncLLM
 from llmc.runtime.llm import LONG_TEXT
@@ -27,18 +28,6 @@ def _run(main):
         except asyncio.TimeoutError:
             pytest.fail(f"a stream did not end within {TIMEOUT}s")
     return asyncio.run(guarded())
-
-
-async def _settle(engine: AsyncLLM) -> None:
-    """Wait until no request is left, then check that every KV block went back to the pool."""
-    while True:
-        with engine._lock:  # no step is half done while we look
-            if not engine.llm.has_unfinished():
-                blocks = engine.llm.blocks
-                assert blocks.num_free == blocks.capacity  # free or cached-evictable, none held
-                blocks.check([])
-                return
-        await asyncio.sleep(0.01)
 
 
 class Boom(Exception):
@@ -209,6 +198,26 @@ def test_closing_a_stream_early_aborts_its_request(llama_engine):
         assert request.finish_reason == "abort" and len(request.token_ids) <= len(out.token_ids) + 2
 
     _run(main)
+
+
+def test_closing_or_dropping_an_unread_stream_aborts_its_request(llama_engine):
+    """A server can close a request's streams before reading any (a client gone at once, a later
+    choice rejected): that aborts them too, as does dropping one unclosed."""
+    async def main():
+        engine = AsyncLLM(llama_engine)
+        finals = []
+        engine.on_finish = finals.append
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        closed = await engine.add_request("closed unread", params, "closed")
+        await closed.aclose()
+        dropped = await engine.add_request("dropped unread", params, "dropped")
+        del dropped
+        await _settle(engine)
+        return finals
+
+    finals = _run(main)
+    assert sorted((o.request_id, o.finish_reason) for o in finals) == [("closed", "abort"), ("dropped", "abort")]
+    assert all(len(o.token_ids) < 200 for o in finals)
 
 
 def test_engine_failure_ends_streams_including_ones_finished_in_the_failed_step(llama_engine):

@@ -17,7 +17,8 @@ Every stream ends with a finished snapshot ("stop", "length", "abort" or "error"
 closed exactly when its final snapshot is queued, by whichever comes first: the step result that
 finishes the request, an abort, or an engine failure. A step's results can reach the loop after
 an abort (they are dropped); an abort that comes after the step in flight finished the request
-returns False, and that step's result ends the stream.
+returns False, and that step's result ends the stream. `on_finish` sees each final snapshot, read
+or not: what a server counts, since a consumer that leaves early never reads its stream's last.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import copy
 import functools
 import threading
 from pathlib import Path
-from typing import AsyncIterator, Callable, Sequence
+from typing import Callable, Sequence
 
 from llmc.errors import RequestError, first_line
 from llmc.runtime.llm import LLM, LONG_TEXT, Prompt
@@ -55,11 +56,12 @@ class AsyncLLM:
         self._wake = threading.Event()  # set when there may be work for the engine thread
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # where step results are delivered
+        # Called on the loop with every stream's final snapshot as it is queued, whoever reads it.
+        self.on_finish: Callable[[RequestOutput], None] | None = None
 
     async def add_request(self, prompt: str | Sequence[int] | Prompt, params: SamplingParams | None = None,
-                          request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Queue a request (validation errors raise here) and return its stream of outputs.
-        Closing the stream before its final snapshot aborts the request."""
+                          request_id: str | None = None) -> "RequestStream":
+        """Queue a request (validation errors raise here) and return its stream of outputs."""
         prompt = await self.tokenize(prompt)
         if request_id is not None and request_id in self._streams:  # queued, not yet known to the engine
             raise RequestError(f"request id {request_id!r} is already in use; pass a unique id")
@@ -72,7 +74,7 @@ class AsyncLLM:
             self._thread = threading.Thread(target=self._engine, name="llmc-engine", daemon=True)
             self._thread.start()
         self._wake.set()
-        return self._outputs(rid, stream)
+        return RequestStream(self, rid, stream)
 
     async def tokenize(self, prompt: str | Sequence[int] | Prompt) -> Prompt:
         """LLM.tokenize, off the loop when the text is long (see `tokenizing`)."""
@@ -115,7 +117,12 @@ class AsyncLLM:
             out.finish_reason, out.error = "error", error
         elif out.finish_reason is None:  # aborted before the engine took it, or while a step runs
             out.finish_reason = "abort"
+        self._queue_final(stream, out)
+
+    def _queue_final(self, stream: _Stream, out: RequestOutput) -> None:
         stream.queue.put_nowait(out)
+        if self.on_finish is not None:
+            self.on_finish(out)
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self._streams):
@@ -125,17 +132,6 @@ class AsyncLLM:
             except Exception:  # the engine is already broken; ending the stream is what matters
                 pass
             self._end(rid, error=message)
-
-    async def _outputs(self, rid: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                out = await stream.queue.get()
-                yield out
-                if out.finished:
-                    return
-        finally:
-            if self._streams.get(rid) is stream:  # closed early: nobody will read the rest
-                self.abort(rid)
 
     def _engine(self) -> None:
         """The engine thread: steps while there is work and hands each step's snapshots to the
@@ -200,9 +196,47 @@ class AsyncLLM:
                 continue
             stream.sent += len(out.delta)
             stream.last = out
-            stream.queue.put_nowait(out)
             if out.finished:
                 del self._streams[out.request_id]
+                self._queue_final(stream, out)
+            else:
+                stream.queue.put_nowait(out)
+
+
+class RequestStream:
+    """One request's snapshots, an async iterator. `aclose()` before the final snapshot aborts the
+    request, read or not (an unstarted async generator's aclose would run nothing), and so does
+    dropping an unfinished stream."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, stream: _Stream):
+        self.request_id = request_id
+        self._engine, self._stream, self._done = engine, stream, False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        out = await self._stream.queue.get()
+        self._done = out.finished
+        return out
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        self._done = True
+        if self._engine._streams.get(self.request_id) is self._stream:  # still open: nobody will read the rest
+            self._engine.abort(self.request_id)
+
+    def __del__(self):  # may run in any thread: the abort goes to the loop
+        loop = self._engine._loop
+        if not self._done and loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._close)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
 
 
 async def tokenizing(call: Callable[[], Prompt], chars: int) -> Prompt:

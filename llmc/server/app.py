@@ -63,6 +63,7 @@ class _Server:
             engine = AsyncLLM(self.engine_dir, **self.options)
             self.template = ChatTemplate.of(engine.llm, self.chat_template_file)
             self.metrics = ServerMetrics(engine, self.model)
+            engine.on_finish = self.metrics.finished  # every request, read to its end or left
             self.engine = engine
         except Exception as exc:
             self.load_error = first_line(exc)
@@ -97,30 +98,22 @@ class _Server:
 
     async def choices(self, streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, snapshot) from all of a request's streams as they come; closing this
-        iterator closes every stream (aborting what is unfinished) and counts each request."""
+        iterator closes every stream (aborting what is unfinished)."""
         if len(streams) == 1:  # the common case, without the fan-in's task hops per token
-            last = None
             try:
                 async for out in streams[0]:
-                    last = out
                     yield 0, out
             finally:
                 await streams[0].aclose()
-                if last is not None:
-                    self.metrics.finished(last)
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream) -> None:
-            last = None
             try:
                 async for out in stream:
-                    last = out
                     await queue.put((index, out))
             finally:
                 await stream.aclose()
-                if last is not None:
-                    self.metrics.finished(last)
                 await queue.put((index, None))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
