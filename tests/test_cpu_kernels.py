@@ -341,7 +341,7 @@ def test_swiglu_kernel(rows):
     np.testing.assert_allclose(out, gate / (1 + np.exp(-gate)) * up, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("kernel_pass", ["cpu-kernels", "packed-matmul", "lossless-weights"])
+@pytest.mark.parametrize("kernel_pass", ["cpu-kernels", "packed-matmul", "lossless-weights", "decoder-layers"])
 def test_the_pass_stands_aside_without_the_library(monkeypatch, kernel_pass):
     import onnx_ir as ir
 

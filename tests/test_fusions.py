@@ -19,7 +19,7 @@ from llmc.plugins import cpu
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling import SamplingParams
 
-FUSION_PASSES = ("merge-matmuls", "ort-fusions", "cpu-kernels", "simplify-layout", "packed-matmul")
+FUSION_PASSES = ("merge-matmuls", "ort-fusions", "cpu-kernels", "simplify-layout", "packed-matmul", "decoder-layers")
 
 
 def _expected_counts(layers: int, tied: bool, with_kernels: bool) -> dict[str, dict[str, int]]:
@@ -43,6 +43,8 @@ def _expected_counts(layers: int, tied: bool, with_kernels: bool) -> dict[str, d
         # into the down one.
         counts["packed-matmul"] = {"packed_matmul": 4 * layers + 1, "skip_rmsnorm_matmul": 2 * layers - 1,
                                    "swiglu_matmul": layers}
+        # Each layer's five kernel nodes as one, but the first layer's (its input norm reads no residual).
+        counts["decoder-layers"] = {"decoder_layer": layers - 1}
     else:
         # Q and K each go through RoPE; V and the attention output each had a transpose pair.
         counts["simplify-layout"] = {**layout, "rope_3d": 2 * layers, "transpose_pair": 2 * layers,
@@ -78,13 +80,14 @@ def test_fusions_fire_and_the_engine_still_matches_hf(recipe, with_kernels, engi
     # where the residual norms and SwiGLU fold into the projections they feed
     assert ops["Transpose"] == 0 and ops["Sigmoid"] == 0
     if with_kernels:
-        assert ops["PackedMatMul"] + ops["SkipRMSNormMatMul"] + ops["SwiGLUMatMul"] == 4 * layers + 1
-        assert ops["SkipRMSNormMatMul"] == 2 * layers - 1 and ops["SkipSimplifiedLayerNormalization"] == 1
-        assert ops["PagedAttention"] == ops["SwiGLUMatMul"] == layers and ops["SwiGLU"] == 0
+        # The first layer's five kernel nodes (its 4 projections), the LM head, one node per other layer.
+        assert ops["DecoderLayer"] == layers - 1
+        assert ops["PackedMatMul"] + ops["SkipRMSNormMatMul"] + ops["SwiGLUMatMul"] == 4 + 1
+        assert ops["SkipRMSNormMatMul"] == 1 and ops["SkipSimplifiedLayerNormalization"] == 1
+        assert ops["PagedAttention"] == ops["SwiGLUMatMul"] == 1 and ops["SwiGLU"] == 0
         assert sum(ops[op] for op in ("QuickGelu", "Split", "RotaryEmbedding", "GatherND", "ScatterND")) == 0
-        # Per layer: 2 norm+projections, the output projection, attention, SwiGLU+down. The rest
-        # is once per step (the embedding, the logits rows' gather): it must not grow with the layers.
-        assert sum(ops.values()) - 5 * layers <= 25
+        # The rest is once per step (the embedding, the logits rows' gather): it must not grow with the layers.
+        assert sum(ops.values()) - (layers - 1) - 5 <= 25
         assert sum(ops[op] for op in ("Cos", "Sin")) == 0
     else:
         assert ops["MatMul"] == 4 * layers + 1 and ops["SkipSimplifiedLayerNormalization"] == 2 * layers
@@ -120,8 +123,12 @@ def test_lossless_weights_change_no_output(recipe, tmp_path, engines, hf_models)
     record = {p.name: p for p in manifest.passes}["lossless-weights"]
     assert record.counts == {"lossless_weight": 4 * layers + 1} and record.max_abs_diff == 0.0
     assert manifest.build_options.lossless_weights is True
-    gemms = [n for n in ir.load(out / "model.onnx").graph if n.domain == cpu.DOMAIN and "MatMul" in n.op_type]
-    assert len(gemms) == 4 * layers + 1 and all(n.inputs[-1].name.endswith(".lossless") for n in gemms)
+    graph = ir.load(out / "model.onnx").graph
+    gemms = [n for n in graph if n.domain == cpu.DOMAIN and "MatMul" in n.op_type]  # the first layer's, the LM head
+    assert len(gemms) == 4 + 1 and all(n.inputs[-1].name.endswith(".lossless") for n in gemms)
+    layer_nodes = [n for n in graph if n.op_type == "DecoderLayer"]  # each carries its 4 GEMMs' copies
+    assert len(layer_nodes) == layers - 1
+    assert all(v is not None and v.name.endswith(".lossless") for n in layer_nodes for v in n.inputs[-4:])
     plain = open_engine(engines(recipe)).manifest
     assert "lossless-weights" not in [p.name for p in plain.passes]  # off by default: not in the pipeline
 

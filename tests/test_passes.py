@@ -28,7 +28,8 @@ KERNEL_COUNTS = {**COMMON_COUNTS,
                  "cpu-kernels": {"paged_attention_kernel": 2, "rope_fused": 2, "qkv_packed": 2, "heads_merged": 2,
                                  "swiglu": 2},
                  "packed-matmul": {"packed_matmul": 9, "skip_rmsnorm_matmul": 3, "swiglu_matmul": 2},
-                 "greedy-tokens": {"lm_head_argmax": 1}}
+                 "greedy-tokens": {"lm_head_argmax": 1},
+                 "decoder-layers": {"decoder_layer": 1}}
 COMPOSED_COUNTS = {**COMMON_COUNTS, "ort-lower": {"paged_attention_lowered": 2, "shared_step_metadata": 1},
                    "simplify-layout": {"rope_3d": 4, "transpose_pair": 4, "reshape_chain": 4}}
 DEFAULT_PASSES = [p.name for p in pipeline(BuildOptions())]
@@ -67,12 +68,13 @@ def test_the_pipeline_is_one_phased_list_built_from_the_options():
         ("lower", ["ort-lower"]),
         ("layout", ["simplify-layout"]),
         ("weights", ["packed-matmul", "greedy-tokens"]),
+        ("layers", ["decoder-layers"]),
     ]
     quantized = [(ph.name, [p.name for p in ph.passes]) for ph in phases(BuildOptions(quant="int4"))]
     assert quantized[2] == ("quantize", ["quantize-weights"])
     names = [p.name for p in pipeline(BuildOptions(lossless_weights=True, disable_passes=("cleanup",)))]
-    assert names == [n for n in DEFAULT_PASSES if n not in ("cleanup", "greedy-tokens")] + ["lossless-weights",
-                                                                                          "greedy-tokens"]
+    assert names == [n for n in DEFAULT_PASSES if n not in ("cleanup", "greedy-tokens", "decoder-layers")] + [
+        "lossless-weights", "greedy-tokens", "decoder-layers"]
     with pytest.raises(LlmcError, match="unknown pass 'nope'"):
         pipeline(BuildOptions(disable_passes=("nope",)))
     for required in ("paged-kv-cache", "logits-indices", "ort-lower"):  # the contract's graph I/O needs them
@@ -82,7 +84,8 @@ def test_the_pipeline_is_one_phased_list_built_from_the_options():
 
 @pytest.mark.parametrize("passes,expected", [
     pytest.param(DEFAULT_PASSES, KERNEL_COUNTS, marks=needs_kernels, id="kernels"),
-    pytest.param([p for p in DEFAULT_PASSES if p not in ("cpu-kernels", "packed-matmul", "greedy-tokens")],
+    pytest.param([p for p in DEFAULT_PASSES if p not in ("cpu-kernels", "packed-matmul", "greedy-tokens",
+                                                         "decoder-layers")],
                  COMPOSED_COUNTS,
                  id="standard-ops"),
 ])

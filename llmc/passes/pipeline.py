@@ -8,6 +8,7 @@
     lower             ort-lower (what no kernel took, in standard ops)
     layout            simplify-layout
     weights           packed-matmul, lossless-weights (with --lossless-weights), greedy-tokens
+    layers            decoder-layers (each layer's kernel nodes as one)
 
 With --backend tensorrt the first four phases are the same and the rest is TensorRT's lowering
 (trt_lower.py): the attention as llmc's plugin node, then the whole graph in fp16 or bf16.
@@ -28,6 +29,7 @@ from llmc.contract.options import BuildOptions
 from llmc.errors import LlmcError
 from llmc.passes.cleanup import Cleanup
 from llmc.passes.cpu_kernels import CPUKernels
+from llmc.passes.decoder_layers import DecoderLayers
 from llmc.passes.greedy_tokens import GreedyTokens
 from llmc.passes.logits_indices import LogitsIndices
 from llmc.passes.lossless_weights import LosslessWeights
@@ -69,6 +71,7 @@ def phases(options: BuildOptions) -> list[Phase]:
         Phase("layout", (SimplifyLayout(),)),
         Phase("weights", (PackedMatMuls(),) + ((LosslessWeights(),) if options.lossless_weights else ())
               + (GreedyTokens(),)),
+        Phase("layers", (DecoderLayers(),)),
     ]
 
 

@@ -1,12 +1,16 @@
 /* ONNX Runtime custom-op library: domain "llmc.cpu", ops PagedAttention, SwiGLU, PackedMatMul
- * (optionally with each row's argmax), SkipRMSNormMatMul, SwiGLUMatMul.
+ * (optionally with each row's argmax), SkipRMSNormMatMul, SwiGLUMatMul, and DecoderLayer (a
+ * layer's five of them as one node).
  * ORT calls RegisterCustomOps when a session registers this library; the kernels then run on
  * ORT's intra-op thread pool (KernelContext_ParallelFor), so they share its threads and spinning
  * settings instead of bringing threads of their own. */
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kernels.h"
 #include "ort_abi.h"
@@ -120,12 +124,10 @@ typedef struct {
 
 static void attend_one(void *arg, size_t task) { llmc_attention_task((const llmc_attention *)arg, (int64_t)task); }
 
-static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
-    const attention_kernel *kernel = state;
-    const char *op = "PagedAttention";
-    tensor t[NUM_IN];
-    for (size_t i = 0; i < NUM_IN; i++)
-        TRY(input(ctx, i, &t[i]));
+/* The step's attention from the op's inputs t (the query's shape from t[IN_Q], its data from
+ * q_data): everything but the output, the pool to write and the key splits. */
+static OrtStatus *attention_setup(const char *op, const attention_kernel *kernel, const tensor t[NUM_IN],
+                                  const float *q_data, llmc_attention *out) {
     const tensor *q = &t[IN_Q], *cache = &t[IN_CACHE];
     int packed = t[IN_K].value == NULL;
     if (q->rank != 3 || q->type != ORT_FLOAT)
@@ -204,10 +206,6 @@ static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
     a.scale = kernel->scale;
     a.softcap = kernel->softcap;
     a.sliding_window = kernel->sliding_window;
-
-    float *q_data;
-    void *cache_in;
-    TRY(data(q->value, (void **)&q_data));
     a.q = q_data;
     if (packed) {
         a.q_stride = a.kv_stride = hq + 2 * hkv;
@@ -225,19 +223,38 @@ static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
     const char *problem = llmc_attention_check(&a);
     if (problem != NULL)
         return error(op, problem);
-
-    int64_t out_dims[3] = {a.batch, a.seq, hq};
-    TRY(output(ctx, 0, out_dims, 3, (void **)&a.out));
-    TRY(data(cache->value, &cache_in));
-    TRY(output(ctx, 1, cache->dims, cache->rank, &a.cache));
-    if (a.cache != cache_in)  /* not aliased (e.g. a plain session.run): carry the pool over */
-        memcpy(a.cache, cache_in, (size_t)(2 * a.num_blocks * a.num_kv_heads * llmc_attention_tile_bytes(&a)));
-
-    llmc_attention_write(&a);
     /* Decode rows attend one query each; prefill chunks take query rows in tiles that share
      * each key block while it is in cache. */
     a.rows_per_task = a.seq == 1 ? 1 : 16;
     a.splits = llmc_attention_splits(&a);
+    *out = a;
+    return NULL;
+}
+
+/* The pool output (output `index`), aliased to the pool input by the runtime's binding; where it
+ * is not (a plain session.run), the pool is carried over first. */
+static OrtStatus *attention_pool(OrtKernelContext *ctx, const tensor *cache, size_t index, llmc_attention *a) {
+    void *cache_in;
+    TRY(data(cache->value, &cache_in));
+    TRY(output(ctx, index, cache->dims, cache->rank, &a->cache));
+    if (a->cache != cache_in)
+        memcpy(a->cache, cache_in, (size_t)(2 * a->num_blocks * a->num_kv_heads * llmc_attention_tile_bytes(a)));
+    return NULL;
+}
+
+static OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
+    const char *op = "PagedAttention";
+    tensor t[NUM_IN];
+    for (size_t i = 0; i < NUM_IN; i++)
+        TRY(input(ctx, i, &t[i]));
+    float *q_data;
+    TRY(data(t[IN_Q].value, (void **)&q_data));
+    llmc_attention a;
+    TRY(attention_setup(op, state, t, q_data, &a));
+    int64_t out_dims[3] = {a.batch, a.seq, a.num_heads * a.head_dim};
+    TRY(output(ctx, 0, out_dims, 3, (void **)&a.out));
+    TRY(attention_pool(ctx, &t[IN_CACHE], 1, &a));
+    llmc_attention_write(&a);
     scratch partial;
     a.partial = scratch_get(&partial, (size_t)llmc_attention_partial_floats(&a) * sizeof(float));
     if (a.splits > 1 && a.partial == NULL)
@@ -573,6 +590,384 @@ static OrtStatus *swiglu_linear_compute(void *state, OrtKernelContext *ctx) {
     return status;
 }
 
+/* -- Phased runs: a chain of dependent steps in one parallel call --------------------------------
+ * DecoderLayer's steps (norms, quantized rows, GEMM panels, attention tasks) are one list of items
+ * in phases. Items are claimed in order from one counter, and an item starts once every item of
+ * the phases before its own is done. A thread only ever waits for items already claimed, whose
+ * threads are running them, so the run cannot deadlock however many of ORT's threads join it (one
+ * thread alone runs every item in order). What it saves is one ORT node and one ParallelFor per
+ * step (docs/attention_cpu.md, "One node per layer"). */
+
+#define MAX_PHASES 16
+#define MAX_WORKERS 64
+
+typedef struct {
+    void (*run)(void *arg, int64_t item);
+    void *arg;
+    int64_t items, chunk; /* items per claim */
+    int64_t end;          /* claims of this phase and every one before it */
+} phase;
+
+/* The counters live on cache lines of their own: every claim writes `next`, and a line shared
+ * with what the waiting threads read would travel between the cores on every item. A thread
+ * publishes how many items it has finished only as it moves to a later phase (or runs out),
+ * which is when another thread can be waiting for them. */
+typedef struct {
+    _Alignas(64) _Atomic int64_t value;
+} padded_counter;
+
+typedef struct {
+    phase phases[MAX_PHASES];
+    int count;
+    padded_counter next, joined;
+    padded_counter finished[MAX_WORKERS];
+} phased_run;
+
+/* A phase of `items`, claimed `chunk` at a time: a run of consecutive panels streams as one. */
+static void add_phase(phased_run *r, void (*run)(void *, int64_t), void *arg, int64_t items, int64_t chunk) {
+    if (items <= 0)
+        return;
+    chunk = chunk < 1 ? 1 : chunk;
+    int64_t before = r->count ? r->phases[r->count - 1].end : 0;
+    r->phases[r->count++] = (phase){.run = run, .arg = arg, .items = items, .chunk = chunk,
+                                    .end = before + (items + chunk - 1) / chunk};
+}
+
+static inline void spin_wait(unsigned spins) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    if (spins % 4096 == 4095)  /* the thread we wait for lost its core: give ours up */
+        sched_yield();
+}
+
+/* Items finished by every thread that has joined, as published. */
+static int64_t finished_items(phased_run *r) {
+    int64_t joined = atomic_load_explicit(&r->joined.value, memory_order_acquire), sum = 0;
+    for (int64_t t = 0; t < joined && t < MAX_WORKERS; t++)
+        sum += atomic_load_explicit(&r->finished[t].value, memory_order_acquire);
+    return sum;
+}
+
+static void phased_worker(void *arg, size_t unused) {
+    (void)unused;
+    phased_run *r = arg;
+    int64_t me = atomic_fetch_add_explicit(&r->joined.value, 1, memory_order_acq_rel);
+    if (me >= MAX_WORKERS)
+        return;  /* the others run every item */
+    int64_t total = r->count ? r->phases[r->count - 1].end : 0, done = 0;
+    int p = 0;
+    for (;;) {
+        int64_t item = atomic_fetch_add_explicit(&r->next.value, 1, memory_order_relaxed);
+        if (item >= total || item >= r->phases[p].end) {  /* leaving a phase: say what this thread did */
+            atomic_store_explicit(&r->finished[me].value, done, memory_order_release);
+            if (item >= total)
+                return;
+            while (item >= r->phases[p].end)
+                p++;
+        }
+        int64_t first = p ? r->phases[p - 1].end : 0;
+        for (unsigned spins = 0; finished_items(r) < first; spins++)
+            spin_wait(spins);
+        const phase *ph = &r->phases[p];
+        int64_t i0 = (item - first) * ph->chunk, i1 = i0 + ph->chunk < ph->items ? i0 + ph->chunk : ph->items;
+        for (int64_t i = i0; i < i1; i++)
+            ph->run(ph->arg, i);
+        done++;
+    }
+}
+
+/* The most threads a run can have: ORT's pool is at most one per CPU. */
+static int64_t workers(void) {
+    static int64_t cpus = 0;
+    if (cpus == 0) {
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        cpus = online > 1 ? (online < MAX_WORKERS ? online : MAX_WORKERS) : 1;
+    }
+    return cpus;
+}
+
+static OrtStatus *run_phases(OrtKernelContext *ctx, phased_run *r) {
+    return parallel(ctx, phased_worker, (size_t)workers(), r);  /* one call per thread ORT has */
+}
+
+/* One scratch for the fused ops' intermediate rows, shared by every node of every session: a
+ * session runs its nodes one at a time, so the layers of a step take turns with it and it stays
+ * warm; a run that finds it taken (another session at the same time) allocates its own. */
+static atomic_flag shared_busy = ATOMIC_FLAG_INIT;
+static void *shared_scratch;
+static size_t shared_bytes;
+
+static void *layer_scratch(size_t bytes, int *own) {
+    bytes = (bytes + 63) / 64 * 64;
+    if (!atomic_flag_test_and_set_explicit(&shared_busy, memory_order_acquire)) {
+        if (shared_bytes < bytes) {
+            free(shared_scratch);
+            shared_scratch = aligned_alloc(64, bytes);
+            shared_bytes = shared_scratch != NULL ? bytes : 0;
+        }
+        if (shared_scratch != NULL) {
+            *own = 0;
+            return shared_scratch;
+        }
+        atomic_flag_clear_explicit(&shared_busy, memory_order_release);
+    }
+    *own = 1;
+    return aligned_alloc(64, bytes);
+}
+
+static void layer_scratch_done(void *p, int own) {
+    if (own)
+        free(p);
+    else
+        atomic_flag_clear_explicit(&shared_busy, memory_order_release);
+}
+
+/* -- DecoderLayer: a whole pre-norm decoder layer in one node ----------------------------------
+ * SkipRMSNormMatMul (QKV) -> PagedAttention (packed QKV) -> PackedMatMul (O) -> SkipRMSNormMatMul
+ * (gate/up) -> SwiGLUMatMul (down), the same kernels in the same order, so the outputs are those
+ * of the five nodes bit for bit. Outputs: the down projection, the residual stream after the
+ * attention (the next layer's skip and x), and the pool. */
+
+enum {
+    L_X, L_SKIP, L_GAMMA1, L_W_QKV, L_CACHE, L_PAST, L_QLEN, L_TABLES, L_COS, L_SIN, L_POS, L_W_O, L_GAMMA2,
+    L_W_GATE_UP, L_W_DOWN, L_QKV_BIAS, L_LOSSLESS, /* then the four lossless copies, QKV to down */
+    L_NUM_IN = L_LOSSLESS + 4
+};
+enum { QKV, O, GATE_UP, DOWN, LINEARS };
+static const char *const linear_prefix[LINEARS] = {"qkv_", "o_", "gate_up_", "down_"};
+
+typedef struct {
+    attention_kernel attention;
+    linear_kernel linear[LINEARS]; /* epsilon: QKV's and gate/up's norms */
+} layer_kernel;
+
+#define LAYER_ROWS 8 /* rows per item of the row-wise steps (norms, SwiGLU, quantizing) */
+
+typedef struct {
+    linear_job linear[LINEARS];
+    llmc_attention attention;
+    const float *x, *skip, *gamma1, *gamma2, *qkv_bias;
+    float epsilon1, epsilon2;
+    float *sum1, *normed1, *normed2, *residual, *h;
+    int64_t m, hidden;
+    int out_of_memory;
+} layer_job;
+
+/* Quantize rows [r0, r1) of a linear's input, when its weight is quantized. */
+static void layer_quantize(const linear_job *job, int64_t r0, int64_t r1) {
+    if (llmc_format_bits(job->format))
+        llmc_quantize_rows(&job->act, job->x, r0, r1);
+}
+
+static int64_t row_end(const layer_job *job, int64_t item) {
+    int64_t end = (item + 1) * LAYER_ROWS;
+    return end < job->m ? end : job->m;
+}
+
+static void layer_norm1(void *arg, int64_t item) {
+    layer_job *job = arg;
+    int64_t r0 = item * LAYER_ROWS, r1 = row_end(job, item);
+    llmc_skip_rmsnorm_rows(job->x, job->skip, job->gamma1, job->sum1, job->normed1, job->hidden, job->epsilon1, r0, r1);
+    layer_quantize(&job->linear[QKV], r0, r1);
+}
+
+static void layer_write(void *arg, int64_t item) {
+    (void)item;
+    llmc_attention_write(&((layer_job *)arg)->attention);
+}
+
+static void layer_attend(void *arg, int64_t item) { llmc_attention_task(&((layer_job *)arg)->attention, item); }
+
+static void layer_combine(void *arg, int64_t item) {
+    (void)item;
+    layer_job *job = arg;
+    if (!job->out_of_memory)
+        llmc_attention_combine(&job->attention);
+}
+
+static void layer_quantize_o(void *arg, int64_t item) {
+    layer_job *job = arg;
+    layer_quantize(&job->linear[O], item * LAYER_ROWS, row_end(job, item));
+}
+
+static void layer_norm2(void *arg, int64_t item) {
+    layer_job *job = arg;
+    int64_t r0 = item * LAYER_ROWS, r1 = row_end(job, item);
+    llmc_skip_rmsnorm_rows(job->sum1, job->linear[O].y, job->gamma2, job->residual, job->normed2, job->hidden,
+                           job->epsilon2, r0, r1);
+    layer_quantize(&job->linear[GATE_UP], r0, r1);
+}
+
+static void layer_swiglu(void *arg, int64_t item) {
+    layer_job *job = arg;
+    int64_t r0 = item * LAYER_ROWS, r1 = row_end(job, item);
+    llmc_swiglu_rows(job->linear[GATE_UP].y, job->h, job->linear[DOWN].k, r0, r1);
+    layer_quantize(&job->linear[DOWN], r0, r1);
+}
+
+#define LAYER_PANELS(name, which) \
+    static void name(void *arg, int64_t panel) { linear_panel(&((layer_job *)arg)->linear[which], panel); }
+LAYER_PANELS(layer_o, O)
+LAYER_PANELS(layer_gate_up, GATE_UP)
+LAYER_PANELS(layer_down, DOWN)
+
+/* The QKV panel, then its columns' bias (Qwen2's), added as the Add node after it did. */
+static void layer_qkv(void *arg, int64_t panel) {
+    layer_job *job = arg;
+    const linear_job *l = &job->linear[QKV];
+    linear_panel(l, panel);
+    if (job->qkv_bias == NULL)
+        return;
+    int64_t c0 = panel * LLMC_PANEL, c1 = c0 + LLMC_PANEL < l->n ? c0 + LLMC_PANEL : l->n;
+    for (int64_t r = 0; r < l->m; r++)
+        for (int64_t c = c0; c < c1; c++)
+            l->y[r * l->n + c] += job->qkv_bias[c];
+}
+
+/* `bytes` of the scratch at `base` (NULL: only count them), 64-byte aligned. */
+static void *carve(char *base, size_t *used, size_t bytes) {
+    char *at = base != NULL ? base + *used : NULL;
+    *used += (bytes + 63) / 64 * 64;
+    return at;
+}
+
+/* The rows between the steps, each quantized GEMM's quantized rows and the attention's partial
+ * results, laid out in the scratch at `base` (the down projection writes the op's output);
+ * returns the bytes they take. */
+static size_t layer_parts(layer_job *job, char *base) {
+    size_t used = 0, row = (size_t)job->m * sizeof(float);
+    llmc_attention *a = &job->attention;
+    linear_job *l = job->linear;
+    job->sum1 = carve(base, &used, row * job->hidden);
+    l[QKV].x = job->normed1 = carve(base, &used, row * job->hidden);
+    a->q = l[QKV].y = carve(base, &used, row * l[QKV].n);
+    l[O].x = a->out = carve(base, &used, row * l[O].k);
+    l[O].y = carve(base, &used, row * l[O].n);
+    l[GATE_UP].x = job->normed2 = carve(base, &used, row * job->hidden);
+    l[GATE_UP].y = carve(base, &used, row * l[GATE_UP].n);
+    l[DOWN].x = job->h = carve(base, &used, row * l[DOWN].k);
+    a->partial = carve(base, &used, (size_t)llmc_attention_partial_floats(a) * sizeof(float));
+    if (base != NULL) {  /* Q, then K and V, in each token's row of the QKV projection */
+        a->k = a->q + a->num_heads * a->head_dim;
+        a->v = a->k + a->num_kv_heads * a->head_dim;
+    }
+    for (int i = 0; i < LINEARS; i++) {
+        if (!llmc_format_bits(l[i].format))
+            continue;
+        void *rows = carve(base, &used, (size_t)llmc_qact_bytes(job->m, l[i].k, l[i].act.block));
+        if (base != NULL)
+            llmc_qact_init(&l[i].act, rows, job->m, l[i].k, l[i].act.block);
+    }
+    return used;
+}
+
+/* A GEMM's panels as a phase, one claim per thread: each thread streams one contiguous run of
+ * panels. Claims of a panel each, or of an eighth, took 1.1-2x the layer's time
+ * (docs/attention_cpu.md, "One node per layer"). */
+static void add_gemm(phased_run *r, void (*run)(void *, int64_t), void *arg, int64_t n) {
+    int64_t panels = panels_of(n);
+    add_phase(r, run, arg, panels, (panels + workers() - 1) / workers());
+}
+
+/* A stand-in for an intermediate tensor (the kernels' checks take tensors): float32 [B, S, width]. */
+static tensor rows_tensor(const tensor *x, int64_t width) {
+    tensor t = *x;
+    t.value = NULL;
+    t.dims[2] = width;
+    return t;
+}
+
+static OrtStatus *layer_compute(void *state, OrtKernelContext *ctx) {
+    const layer_kernel *kernel = state;
+    const char *op = "DecoderLayer";
+    tensor t[L_NUM_IN];
+    for (size_t i = 0; i < L_NUM_IN; i++)
+        TRY(input(ctx, i, &t[i]));
+    const tensor *x = &t[L_X];
+    if (x->type != ORT_FLOAT || x->rank != 3)
+        return error(op, "x must be float32 [batch, seq, hidden]");
+    int64_t hidden = x->dims[2];
+    const tensor *gammas[2] = {&t[L_GAMMA1], &t[L_GAMMA2]};
+    if (t[L_SKIP].type != ORT_FLOAT || t[L_SKIP].rank != 3 || memcmp(t[L_SKIP].dims, x->dims, sizeof x->dims) != 0 ||
+        gammas[0]->type != ORT_FLOAT || gammas[0]->rank != 1 || gammas[0]->dims[0] != hidden ||
+        gammas[1]->type != ORT_FLOAT || gammas[1]->rank != 1 || gammas[1]->dims[0] != hidden)
+        return error(op, "skip must match x's shape and both gammas be [hidden]");
+    const tensor *bias = &t[L_QKV_BIAS];
+    if (bias->value != NULL && (bias->type != ORT_FLOAT || bias->rank != 1 || bias->dims[0] != kernel->linear[QKV].n))
+        return error(op, "qkv_bias must be float32 [qkv_n]");
+    const linear_kernel *lk = kernel->linear;
+    int64_t qkv_width = lk[QKV].n, inter = lk[GATE_UP].n / 2;
+    if (lk[O].n != hidden || lk[DOWN].n != hidden || lk[GATE_UP].n % 2 != 0)
+        return error(op, "O and down must project back to hidden, and gate/up to two equal halves");
+    layer_job job = {.m = x->dims[0] * x->dims[1], .hidden = hidden, .epsilon1 = lk[QKV].epsilon,
+                     .epsilon2 = lk[GATE_UP].epsilon};
+
+    tensor at[NUM_IN] = {0};
+    at[IN_Q] = rows_tensor(x, qkv_width);
+    at[IN_CACHE] = t[L_CACHE];
+    at[IN_PAST] = t[L_PAST];
+    at[IN_QLEN] = t[L_QLEN];
+    at[IN_TABLES] = t[L_TABLES];
+    at[IN_COS] = t[L_COS];
+    at[IN_SIN] = t[L_SIN];
+    at[IN_POS] = t[L_POS];
+    llmc_attention *a = &job.attention;
+    /* The query's data is set once the scratch exists: the checks read only its shape. */
+    TRY(attention_setup(op, &kernel->attention, at, NULL, a));
+    int64_t o_width = a->num_heads * a->head_dim;
+
+    static const size_t weight_at[LINEARS] = {L_W_QKV, L_W_O, L_W_GATE_UP, L_W_DOWN};
+    const int64_t in_width[LINEARS] = {hidden, o_width, hidden, inter};
+    for (int i = 0; i < LINEARS; i++) {
+        tensor in = rows_tensor(x, in_width[i]);
+        int64_t k;
+        TRY(check_packed(op, &lk[i], &in, &t[weight_at[i]], &k));
+        job.linear[i] = (linear_job){.k = k, .n = lk[i].n, .m = job.m, .act.block = lk[i].block_size};
+        TRY(weight_data(&lk[i], &t[weight_at[i]], &job.linear[i]));
+        TRY(lossless_input(ctx, op, L_LOSSLESS + (size_t)i, &job.linear[i]));
+    }
+
+    float *y;
+    TRY(output(ctx, 0, x->dims, 3, (void **)&y));
+    TRY(output(ctx, 1, x->dims, 3, (void **)&job.residual));
+    TRY(attention_pool(ctx, &t[L_CACHE], 2, a));
+    if (job.m == 0)
+        return NULL;
+
+    TRY(data(x->value, (void **)&job.x));
+    TRY(data(t[L_SKIP].value, (void **)&job.skip));
+    TRY(data(gammas[0]->value, (void **)&job.gamma1));
+    TRY(data(gammas[1]->value, (void **)&job.gamma2));
+    if (bias->value != NULL)
+        TRY(data(bias->value, (void **)&job.qkv_bias));
+    int own;
+    char *base = layer_scratch(layer_parts(&job, NULL), &own);
+    if (base == NULL)
+        return error(op, "out of memory for the layer's rows");
+    layer_parts(&job, base);
+    job.linear[DOWN].y = y;
+
+    int64_t rows = (job.m + LAYER_ROWS - 1) / LAYER_ROWS;
+    phased_run run = {0};
+    add_phase(&run, layer_norm1, &job, rows, 1);
+    add_gemm(&run, layer_qkv, &job, lk[QKV].n);
+    add_phase(&run, layer_write, &job, 1, 1);
+    add_phase(&run, layer_attend, &job, llmc_attention_tasks(a), 1);
+    add_phase(&run, layer_combine, &job, a->splits > 1, 1);
+    add_phase(&run, layer_quantize_o, &job, llmc_format_bits(lk[O].format) ? rows : 0, 1);
+    add_gemm(&run, layer_o, &job, lk[O].n);
+    add_phase(&run, layer_norm2, &job, rows, 1);
+    add_gemm(&run, layer_gate_up, &job, lk[GATE_UP].n);
+    add_phase(&run, layer_swiglu, &job, rows, 1);
+    add_gemm(&run, layer_down, &job, lk[DOWN].n);
+    OrtStatus *status = run_phases(ctx, &run);
+    layer_scratch_done(base, own);
+    if (status == NULL && job.out_of_memory)
+        status = error(op, "out of memory for the attention scratch");
+    return status;
+}
+
 /* -- the ops' descriptions --------------------------------------------------------------------- */
 
 /* An attribute's value, or `fallback` when the node does not set it. */
@@ -592,6 +987,17 @@ static void read_float(const OrtKernelInfo *info, const char *name, float fallba
     }
 }
 
+/* PagedAttention's attributes; NULL or what is wrong with them. */
+static const char *read_attention(const OrtKernelInfo *info, attention_kernel *k) {
+    read_int(info, "num_heads", 0, &k->num_heads);
+    read_int(info, "num_kv_heads", 0, &k->num_kv_heads);
+    read_int(info, "sliding_window", 0, &k->sliding_window);
+    read_int(info, "rotary_interleaved", 0, &k->interleaved);
+    read_float(info, "scale", 1.0f, &k->scale);
+    read_float(info, "softcap", 0.0f, &k->softcap);
+    return k->num_heads <= 0 || k->num_kv_heads <= 0 ? "num_heads and num_kv_heads attributes must be positive" : NULL;
+}
+
 static OrtStatus *attention_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
                                    void **kernel_out) {
     (void)op;
@@ -599,15 +1005,10 @@ static OrtStatus *attention_create(const OrtCustomOp *op, const OrtApi *ort, con
     attention_kernel *k = calloc(1, sizeof *k);
     if (k == NULL)
         return error("PagedAttention", "out of memory");
-    read_int(info, "num_heads", 0, &k->num_heads);
-    read_int(info, "num_kv_heads", 0, &k->num_kv_heads);
-    read_int(info, "sliding_window", 0, &k->sliding_window);
-    read_int(info, "rotary_interleaved", 0, &k->interleaved);
-    read_float(info, "scale", 1.0f, &k->scale);
-    read_float(info, "softcap", 0.0f, &k->softcap);
-    if (k->num_heads <= 0 || k->num_kv_heads <= 0) {
+    const char *problem = read_attention(info, k);
+    if (problem != NULL) {
         free(k);
-        return error("PagedAttention", "num_heads and num_kv_heads attributes must be positive");
+        return error("PagedAttention", problem);
     }
     *kernel_out = k;
     return NULL;
@@ -622,6 +1023,28 @@ static OrtStatus *swiglu_create(const OrtCustomOp *op, const OrtApi *ort, const 
     return NULL;
 }
 
+/* A packed GEMM's attributes, each name after `prefix` (DecoderLayer's four GEMMs have one each);
+ * NULL or what is wrong with them. */
+static const char *read_linear(const OrtKernelInfo *info, const char *prefix, linear_kernel *k) {
+    static const char *const names[] = {"n", "weight_format", "block_size", "zero_points", "epsilon"};
+    char name[5][48];
+    for (int i = 0; i < 5; i++)
+        snprintf(name[i], sizeof name[i], "%s%s", prefix, names[i]);
+    read_int(info, name[0], 0, &k->n);
+    read_int(info, name[1], LLMC_FORMAT_FP32, &k->format);
+    read_int(info, name[2], 0, &k->block_size);
+    read_int(info, name[3], 0, &k->zero_points);
+    read_float(info, name[4], 1e-6f, &k->epsilon);
+    if (k->n <= 0)
+        return "attribute n (output columns) must be positive";
+    if (k->format < LLMC_FORMAT_FP32 || k->format > LLMC_FORMAT_INT6)
+        return "attribute weight_format must be 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8), 4 (int4) or 5 (int6)";
+    if (llmc_format_bits(k->format) && ((k->block_size != 32 && k->block_size != 64 && k->block_size != 128) ||
+                                        (k->zero_points != 0 && k->zero_points != 1)))
+        return "quantized weights need block_size 32, 64 or 128 and zero_points 0 or 1";
+    return NULL;
+}
+
 static OrtStatus *linear_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
                                 void **kernel_out) {
     (void)op;
@@ -629,23 +1052,28 @@ static OrtStatus *linear_create(const OrtCustomOp *op, const OrtApi *ort, const 
     linear_kernel *k = calloc(1, sizeof *k);
     if (k == NULL)
         return error("PackedMatMul", "out of memory");
-    read_int(info, "n", 0, &k->n);
-    read_int(info, "weight_format", LLMC_FORMAT_FP32, &k->format);
-    read_int(info, "block_size", 0, &k->block_size);
-    read_int(info, "zero_points", 0, &k->zero_points);
-    read_float(info, "epsilon", 1e-6f, &k->epsilon);
-    const char *problem = NULL;
-    if (k->n <= 0)
-        problem = "attribute n (output columns) must be positive";
-    else if (k->format < LLMC_FORMAT_FP32 || k->format > LLMC_FORMAT_INT6)
-        problem = "attribute weight_format must be 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8), 4 (int4) or 5 (int6)";
-    else if (llmc_format_bits(k->format) &&
-             ((k->block_size != 32 && k->block_size != 64 && k->block_size != 128) ||
-              (k->zero_points != 0 && k->zero_points != 1)))
-        problem = "quantized weights need block_size 32, 64 or 128 and zero_points 0 or 1";
+    const char *problem = read_linear(info, "", k);
     if (problem != NULL) {
         free(k);
         return error("PackedMatMul", problem);
+    }
+    *kernel_out = k;
+    return NULL;
+}
+
+static OrtStatus *layer_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
+                               void **kernel_out) {
+    (void)op;
+    (void)ort;
+    layer_kernel *k = calloc(1, sizeof *k);
+    if (k == NULL)
+        return error("DecoderLayer", "out of memory");
+    const char *problem = read_attention(info, &k->attention);
+    for (int i = 0; i < LINEARS && problem == NULL; i++)
+        problem = read_linear(info, linear_prefix[i], &k->linear[i]);
+    if (problem != NULL) {
+        free(k);
+        return error("DecoderLayer", problem);
     }
     *kernel_out = k;
     return NULL;
@@ -676,6 +1104,37 @@ static int32_t attention_input_kind(const OrtCustomOp *op, size_t i) {
     return (i == IN_K || i == IN_V || i == IN_COS || i == IN_SIN || i == IN_POS) ? ORT_OPTIONAL : ORT_REQUIRED;
 }
 
+
+/* DecoderLayer: the weights take any type (as a GEMM's), the pool too; the lossless copies uint8. */
+static int32_t layer_input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    if (i == L_W_QKV || i == L_W_O || i == L_W_GATE_UP || i == L_W_DOWN || i == L_CACHE)
+        return ORT_UNDEFINED;
+    if (i >= L_LOSSLESS)
+        return ORT_UINT8;
+    return (i == L_PAST || i == L_QLEN || i == L_TABLES) ? ORT_INT32 : i == L_POS ? ORT_INT64 : ORT_FLOAT;
+}
+static int32_t layer_input_kind(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return (i == L_COS || i == L_SIN || i == L_POS || i >= L_QKV_BIAS) ? ORT_OPTIONAL : ORT_REQUIRED;
+}
+static int32_t layer_output_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 2 ? ORT_UNDEFINED : ORT_FLOAT;
+}
+
+/* An op with more than one input of any type (DecoderLayer's weights and pool) must say its
+ * outputs' types itself: the rows have x's type and shape, the pool its input's. */
+static OrtStatus *layer_infer(const OrtCustomOp *op, OrtShapeInferContext *ctx) {
+    (void)op;
+    static const size_t from[3] = {L_X, L_X, L_CACHE};
+    for (size_t i = 0; i < 3; i++) {
+        OrtTensorTypeAndShapeInfo *info;
+        TRY(CALL(ORT_ShapeInferContext_GetInputTypeShape, ort_infer_input_fn, ctx, from[i], &info));
+        TRY(CALL(ORT_ShapeInferContext_SetOutputTypeShape, ort_infer_output_fn, ctx, i, info));
+    }
+    return NULL;
+}
 
 /* ORT asks an op for its name and input/output counts through callbacks taking the op itself, so
  * the values live in a struct that starts with the OrtCustomOp. */
@@ -736,7 +1195,7 @@ static void define(op_description *d, const char *name, create_fn create, comput
     op->GetEndVersion = end_version;
 }
 
-static op_description attention_op, swiglu_op, linear_op, norm_linear_op, swiglu_linear_op;
+static op_description attention_op, swiglu_op, linear_op, norm_linear_op, swiglu_linear_op, layer_op;
 
 EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(LLMC_ORT_API_SHAPE_REF);
@@ -762,6 +1221,10 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
                linear_input_kind);
         linear_op.lossless = swiglu_linear_op.lossless = 2;
         norm_linear_op.lossless = 4;
+        define(&layer_op, "DecoderLayer", layer_create, layer_compute, L_NUM_IN, 3, layer_input_type,
+               layer_input_kind);
+        layer_op.op.GetOutputType = layer_output_type;
+        layer_op.op.InferOutputShapeFn = layer_infer;
     }
 
     OrtCustomOpDomain *domain;
@@ -771,5 +1234,6 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &linear_op.op));
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &norm_linear_op.op));
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &swiglu_linear_op.op));
+    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &layer_op.op));
     return CALL(ORT_AddCustomOpDomain, ort_add_domain_fn, options, domain);
 }

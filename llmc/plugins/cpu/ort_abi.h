@@ -73,6 +73,12 @@ typedef OrtStatus *(*ort_get_output_fn)(OrtKernelContext *ctx, size_t index, con
 typedef void (*ort_release_status_fn)(OrtStatus *status);
 #define ORT_ReleaseTensorTypeAndShapeInfo 99
 typedef void (*ort_release_fn)(OrtTensorTypeAndShapeInfo *info);
+#define ORT_ShapeInferContext_GetInputTypeShape 268
+typedef OrtStatus *(*ort_infer_input_fn)(const OrtShapeInferContext *ctx, size_t index,
+                                         OrtTensorTypeAndShapeInfo **info); /* the context owns *info */
+#define ORT_ShapeInferContext_SetOutputTypeShape 270
+typedef OrtStatus *(*ort_infer_output_fn)(const OrtShapeInferContext *ctx, size_t index,
+                                          const OrtTensorTypeAndShapeInfo *info);
 #define ORT_KernelContext_ParallelFor 274
 typedef OrtStatus *(*ort_parallel_for_fn)(const OrtKernelContext *ctx, void (*fn)(void *, size_t), size_t total,
                                           size_t num_batch, void *user_data);
