@@ -987,8 +987,24 @@ static void read_float(const OrtKernelInfo *info, const char *name, float fallba
     }
 }
 
-/* PagedAttention's attributes; NULL or what is wrong with them. */
-static const char *read_attention(const OrtKernelInfo *info, attention_kernel *k) {
+/* A kernel's state, `bytes` zeroed then read from the node's attributes by `read`, which returns
+ * NULL or what is wrong with them. */
+typedef const char *(*read_fn)(const OrtKernelInfo *info, void *kernel);
+static OrtStatus *new_kernel(const char *op, size_t bytes, read_fn read, const OrtKernelInfo *info, void **out) {
+    void *kernel = calloc(1, bytes);
+    if (kernel == NULL)
+        return error(op, "out of memory");
+    const char *problem = read(info, kernel);
+    if (problem != NULL) {
+        free(kernel);
+        return error(op, problem);
+    }
+    *out = kernel;
+    return NULL;
+}
+
+static const char *read_attention(const OrtKernelInfo *info, void *kernel) {
+    attention_kernel *k = kernel;
     read_int(info, "num_heads", 0, &k->num_heads);
     read_int(info, "num_kv_heads", 0, &k->num_kv_heads);
     read_int(info, "sliding_window", 0, &k->sliding_window);
@@ -1002,16 +1018,7 @@ static OrtStatus *attention_create(const OrtCustomOp *op, const OrtApi *ort, con
                                    void **kernel_out) {
     (void)op;
     (void)ort;
-    attention_kernel *k = calloc(1, sizeof *k);
-    if (k == NULL)
-        return error("PagedAttention", "out of memory");
-    const char *problem = read_attention(info, k);
-    if (problem != NULL) {
-        free(k);
-        return error("PagedAttention", problem);
-    }
-    *kernel_out = k;
-    return NULL;
+    return new_kernel("PagedAttention", sizeof(attention_kernel), read_attention, info, kernel_out);
 }
 
 static OrtStatus *swiglu_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
@@ -1045,38 +1052,28 @@ static const char *read_linear(const OrtKernelInfo *info, const char *prefix, li
     return NULL;
 }
 
+static const char *read_gemm(const OrtKernelInfo *info, void *kernel) { return read_linear(info, "", kernel); }
+
 static OrtStatus *linear_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
                                 void **kernel_out) {
     (void)op;
     (void)ort;
-    linear_kernel *k = calloc(1, sizeof *k);
-    if (k == NULL)
-        return error("PackedMatMul", "out of memory");
-    const char *problem = read_linear(info, "", k);
-    if (problem != NULL) {
-        free(k);
-        return error("PackedMatMul", problem);
-    }
-    *kernel_out = k;
-    return NULL;
+    return new_kernel("PackedMatMul", sizeof(linear_kernel), read_gemm, info, kernel_out);
+}
+
+static const char *read_layer(const OrtKernelInfo *info, void *kernel) {
+    layer_kernel *k = kernel;
+    const char *problem = read_attention(info, &k->attention);
+    for (int i = 0; i < LINEARS && problem == NULL; i++)
+        problem = read_linear(info, linear_prefix[i], &k->linear[i]);
+    return problem;
 }
 
 static OrtStatus *layer_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
                                void **kernel_out) {
     (void)op;
     (void)ort;
-    layer_kernel *k = calloc(1, sizeof *k);
-    if (k == NULL)
-        return error("DecoderLayer", "out of memory");
-    const char *problem = read_attention(info, &k->attention);
-    for (int i = 0; i < LINEARS && problem == NULL; i++)
-        problem = read_linear(info, linear_prefix[i], &k->linear[i]);
-    if (problem != NULL) {
-        free(k);
-        return error("DecoderLayer", problem);
-    }
-    *kernel_out = k;
-    return NULL;
+    return new_kernel("DecoderLayer", sizeof(layer_kernel), read_layer, info, kernel_out);
 }
 
 static void destroy(void *kernel) { free(kernel); }
