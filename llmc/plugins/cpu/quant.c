@@ -31,6 +31,8 @@
 #define SUB 32              /* k steps per activation sum, and int4's 16-bit sub-block */
 #ifndef QUANT_AHEAD
 #define QUANT_AHEAD 4096 /* prefetch distance in bytes, as the lossless tile's */
+/* The VNNI tile's one-row loop's, to L1 (docs/quantization.md, "The integer and 16-bit GEMMs"). */
+#define ONE_ROW_AHEAD 8192
 #endif
 #define HALF_AHEAD 8192     /* the 16-bit tile's: half the fp32 tile's 16 KB, the same k steps ahead */
 #define ONE_PASS_ROWS 2     /* rows per tile: more rows take another pass over the panel, from cache */
@@ -469,11 +471,14 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
         for (int r = 0; r < R; r++)
             dot[r][0] = dot[r][1] = _mm512_setzero_si512();
         if (R == 1) {
-            /* One row: no software prefetch (the hardware's streams alone measured faster) and
-             * the odd groups in accumulators of their own, two chains of dependent vpdpbusd. */
+            /* One row: each line prefetched ONE_ROW_AHEAD bytes ahead into L1 (more lines in
+             * flight than the loop's own loads keep), and the odd groups in accumulators of their
+             * own, two chains of dependent vpdpbusd. */
             __m512i odd[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
             for (int64_t g = 0; g < B / 4; g += 2) {
                 __m512i w[2][2];
+                for (int64_t line = 0; line < 2 * gb; line += 64)
+                    _mm_prefetch((const char *)(wq + g * gb + ONE_ROW_AHEAD + line), _MM_HINT_T0);
                 vnni_group(wq + g * gb, bits, w[0]);
                 vnni_group(wq + (g + 1) * gb, bits, w[1]);
                 int32_t four[2];
