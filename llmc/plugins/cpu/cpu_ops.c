@@ -619,9 +619,15 @@ typedef struct {
 typedef struct {
     phase phases[MAX_PHASES];
     int count;
+    uint64_t seq; /* which run this is, for the threads' marks */
     padded_counter next, joined;
     padded_counter finished[MAX_WORKERS];
 } phased_run;
+
+/* ORT calls phased_worker once per CPU (it cannot say how many threads its pool has); a thread
+ * joins a run once, marked by the run's number. */
+static _Atomic uint64_t run_seq;
+static _Thread_local uint64_t joined_run;
 
 /* A phase of `items`, claimed `chunk` at a time: a run of consecutive panels streams as one. */
 static void add_phase(phased_run *r, void (*run)(void *, int64_t), void *arg, int64_t items, int64_t chunk) {
@@ -652,6 +658,9 @@ static int64_t finished_items(phased_run *r) {
 static void phased_worker(void *arg, size_t unused) {
     (void)unused;
     phased_run *r = arg;
+    if (joined_run == r->seq)
+        return;  /* this thread ran out of items already */
+    joined_run = r->seq;
     int64_t me = atomic_fetch_add_explicit(&r->joined.value, 1, memory_order_acq_rel);
     if (me >= MAX_WORKERS)
         return;  /* the others run every item */
@@ -687,8 +696,20 @@ static int64_t workers(void) {
     return cpus;
 }
 
-static OrtStatus *run_phases(OrtKernelContext *ctx, phased_run *r) {
-    return parallel(ctx, phased_worker, (size_t)workers(), r);  /* one call per thread ORT has */
+/* The threads a node's run can expect: as many as its last run had (`*threads`, kept per node:
+ * a draft engine's one-thread session and its target's take turns in one process), at first one
+ * per CPU. */
+static int64_t run_width(_Atomic int64_t *threads) {
+    int64_t last = atomic_load_explicit(threads, memory_order_relaxed);
+    return last > 0 ? last : workers();
+}
+
+static OrtStatus *run_phases(OrtKernelContext *ctx, phased_run *r, _Atomic int64_t *threads) {
+    r->seq = atomic_fetch_add_explicit(&run_seq, 1, memory_order_relaxed) + 1;
+    OrtStatus *status = parallel(ctx, phased_worker, (size_t)workers(), r);
+    int64_t joined = atomic_load_explicit(&r->joined.value, memory_order_relaxed);
+    atomic_store_explicit(threads, joined < MAX_WORKERS ? joined : MAX_WORKERS, memory_order_relaxed);
+    return status;
 }
 
 /* One scratch for the fused ops' intermediate rows, shared by every node of every session: a
@@ -740,6 +761,7 @@ static const char *const linear_prefix[LINEARS] = {"qkv_", "o_", "gate_up_", "do
 typedef struct {
     attention_kernel attention;
     linear_kernel linear[LINEARS]; /* epsilon: QKV's and gate/up's norms */
+    _Atomic int64_t threads;       /* how many threads the node's last run had */
 } layer_kernel;
 
 #define LAYER_ROWS 8 /* rows per item of the row-wise steps (norms, SwiGLU, quantizing) */
@@ -865,9 +887,9 @@ static size_t layer_parts(layer_job *job, char *base) {
 /* A GEMM's panels as a phase, one claim per thread: each thread streams one contiguous run of
  * panels. Claims of a panel each, or of an eighth, took 1.1-2x the layer's time
  * (docs/attention_cpu.md, "One node per layer"). */
-static void add_gemm(phased_run *r, void (*run)(void *, int64_t), void *arg, int64_t n) {
+static void add_gemm(phased_run *r, void (*run)(void *, int64_t), void *arg, int64_t n, int64_t threads) {
     int64_t panels = panels_of(n);
-    add_phase(r, run, arg, panels, (panels + workers() - 1) / workers());
+    add_phase(r, run, arg, panels, (panels + threads - 1) / threads);
 }
 
 /* A stand-in for an intermediate tensor (the kernels' checks take tensors): float32 [B, S, width]. */
@@ -879,7 +901,7 @@ static tensor rows_tensor(const tensor *x, int64_t width) {
 }
 
 static OrtStatus *layer_compute(void *state, OrtKernelContext *ctx) {
-    const layer_kernel *kernel = state;
+    layer_kernel *kernel = state;
     const char *op = "DecoderLayer";
     tensor t[L_NUM_IN];
     for (size_t i = 0; i < L_NUM_IN; i++)
@@ -948,20 +970,20 @@ static OrtStatus *layer_compute(void *state, OrtKernelContext *ctx) {
     layer_parts(&job, base);
     job.linear[DOWN].y = y;
 
-    int64_t rows = (job.m + LAYER_ROWS - 1) / LAYER_ROWS;
+    int64_t rows = (job.m + LAYER_ROWS - 1) / LAYER_ROWS, threads = run_width(&kernel->threads);
     phased_run run = {0};
     add_phase(&run, layer_norm1, &job, rows, 1);
-    add_gemm(&run, layer_qkv, &job, lk[QKV].n);
+    add_gemm(&run, layer_qkv, &job, lk[QKV].n, threads);
     add_phase(&run, layer_write, &job, 1, 1);
     add_phase(&run, layer_attend, &job, llmc_attention_tasks(a), 1);
     add_phase(&run, layer_combine, &job, a->splits > 1, 1);
     add_phase(&run, layer_quantize_o, &job, llmc_format_bits(lk[O].format) ? rows : 0, 1);
-    add_gemm(&run, layer_o, &job, lk[O].n);
+    add_gemm(&run, layer_o, &job, lk[O].n, threads);
     add_phase(&run, layer_norm2, &job, rows, 1);
-    add_gemm(&run, layer_gate_up, &job, lk[GATE_UP].n);
+    add_gemm(&run, layer_gate_up, &job, lk[GATE_UP].n, threads);
     add_phase(&run, layer_swiglu, &job, rows, 1);
-    add_gemm(&run, layer_down, &job, lk[DOWN].n);
-    OrtStatus *status = run_phases(ctx, &run);
+    add_gemm(&run, layer_down, &job, lk[DOWN].n, threads);
+    OrtStatus *status = run_phases(ctx, &run, &kernel->threads);
     layer_scratch_done(base, own);
     if (status == NULL && job.out_of_memory)
         status = error(op, "out of memory for the attention scratch");
