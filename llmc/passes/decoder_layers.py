@@ -3,16 +3,16 @@
 After packed-matmul a pre-norm layer is SkipRMSNormMatMul (QKV) -> PagedAttention (packed QKV)
 -> PackedMatMul (O) -> SkipRMSNormMatMul (gate/up) -> SwiGLUMatMul (down). The fused node runs the
 same kernels in the same order, so its outputs are the five nodes' bit for bit; what goes is four
-ONNX Runtime node dispatches and four ParallelFor fork/joins a layer: at batch 1 on an int4
-model those cost a third of the step beyond its weight stream (docs/attention_cpu.md, "One node
-per layer"). The first layer, whose input norm is ONNX's RMSNormalization (no residual yet), keeps
-its five nodes.
+ONNX Runtime node dispatches and four ParallelFor fork/joins a layer, which a small model's decode
+step pays beyond its weight stream (docs/attention_cpu.md, "One node per layer"). The first layer,
+whose input norm is ONNX's RMSNormalization (no residual yet), keeps its five nodes.
 
 The node's inputs: x, skip, gamma1, w_qkv, the attention's pool and step inputs (past_lens,
 query_lens, block_tables, cos, sin, positions), w_o, gamma2, w_gate_up, w_down, the QKV bias
-(Qwen2's Add after the projection, optional), then each GEMM's lossless copy (optional). Attributes: the attention's, and each GEMM's under a prefix (`qkv_`,
-`o_`, `gate_up_`, `down_`), the norms' epsilons as `qkv_epsilon` and `gate_up_epsilon`. Outputs:
-the down projection, the residual after the attention (sum of the second norm), the pool.
+(Qwen2's Add after the projection, optional), then each GEMM's lossless copy (optional).
+Attributes: the attention's, and each GEMM's under a prefix (`qkv_`, `o_`, `gate_up_`, `down_`),
+the norms' epsilons as `qkv_epsilon` and `gate_up_epsilon`. Outputs: the down projection, the
+residual after the attention (the second norm's sum), the pool.
 """
 
 from __future__ import annotations
