@@ -316,16 +316,18 @@ void llmc_attention_write(const llmc_attention *a) {
 /* A task fetches its first blocks, up to this many bytes, as it starts, then a block ahead. */
 #define LLMC_TASK_AHEAD_BYTES 65536
 
+int64_t llmc_cpus(void) {
+    static int64_t cpus = 0;
+    if (cpus == 0) {
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        cpus = online > 1 ? online : 1;
+    }
+    return cpus;
+}
+
 /* Three tasks per CPU: enough for dynamic scheduling to even them out, few enough that each is a
  * run of blocks long enough to stream (docs/attention_cpu.md, "Split decode"). */
-static int64_t split_tasks(void) {
-    static int64_t tasks = 0;
-    if (tasks == 0) {
-        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-        tasks = 3 * (cpus > 1 ? cpus : 2);
-    }
-    return tasks;
-}
+static int64_t split_tasks(void) { return 3 * (llmc_cpus() > 1 ? llmc_cpus() : 2); }
 
 /* A task is (row b, query heads [h0, h0 + heads), query tile, key chunk). A task takes all heads
  * when that leaves enough tasks: a block's KV heads lie side by side in the pool and a sequence's

@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "kernels.h"
 #include "ort_abi.h"
@@ -124,8 +123,16 @@ typedef struct {
 
 static void attend_one(void *arg, size_t task) { llmc_attention_task((const llmc_attention *)arg, (int64_t)task); }
 
+/* Q, then K and V, in each token's row of a merged QKV projection. */
+static void packed_qkv(llmc_attention *a, const float *qkv) {
+    a->q = qkv;
+    a->k = qkv + a->num_heads * a->head_dim;
+    a->v = a->k + a->num_kv_heads * a->head_dim;
+}
+
 /* The step's attention from the op's inputs t (the query's shape from t[IN_Q], its data from
- * q_data): everything but the output, the pool to write and the key splits. */
+ * q_data, which a packed query may leave NULL for the caller's packed_qkv): everything but the
+ * output, the pool to write and the key splits. */
 static OrtStatus *attention_setup(const char *op, const attention_kernel *kernel, const tensor t[NUM_IN],
                                   const float *q_data, llmc_attention *out) {
     const tensor *q = &t[IN_Q], *cache = &t[IN_CACHE];
@@ -206,12 +213,12 @@ static OrtStatus *attention_setup(const char *op, const attention_kernel *kernel
     a.scale = kernel->scale;
     a.softcap = kernel->softcap;
     a.sliding_window = kernel->sliding_window;
-    a.q = q_data;
     if (packed) {
         a.q_stride = a.kv_stride = hq + 2 * hkv;
-        a.k = q_data + hq;
-        a.v = q_data + hq + hkv;
+        if (q_data != NULL)
+            packed_qkv(&a, q_data);
     } else {
+        a.q = q_data;
         a.q_stride = hq;
         a.kv_stride = hkv;
         TRY(data(t[IN_K].value, (void **)&a.k));
@@ -687,14 +694,7 @@ static void phased_worker(void *arg, size_t unused) {
 }
 
 /* The most threads a run can have: ORT's pool is at most one per CPU. */
-static int64_t workers(void) {
-    static int64_t cpus = 0;
-    if (cpus == 0) {
-        long online = sysconf(_SC_NPROCESSORS_ONLN);
-        cpus = online > 1 ? (online < MAX_WORKERS ? online : MAX_WORKERS) : 1;
-    }
-    return cpus;
-}
+static int64_t workers(void) { return llmc_cpus() < MAX_WORKERS ? llmc_cpus() : MAX_WORKERS; }
 
 /* The threads a node's run can expect: as many as its last run had (`*threads`, kept per node:
  * a draft engine's one-thread session and its target's take turns in one process), at first one
@@ -863,17 +863,15 @@ static size_t layer_parts(layer_job *job, char *base) {
     linear_job *l = job->linear;
     job->sum1 = carve(base, &used, row * job->hidden);
     l[QKV].x = job->normed1 = carve(base, &used, row * job->hidden);
-    a->q = l[QKV].y = carve(base, &used, row * l[QKV].n);
+    l[QKV].y = carve(base, &used, row * l[QKV].n);
     l[O].x = a->out = carve(base, &used, row * l[O].k);
     l[O].y = carve(base, &used, row * l[O].n);
     l[GATE_UP].x = job->normed2 = carve(base, &used, row * job->hidden);
     l[GATE_UP].y = carve(base, &used, row * l[GATE_UP].n);
     l[DOWN].x = job->h = carve(base, &used, row * l[DOWN].k);
     a->partial = carve(base, &used, (size_t)llmc_attention_partial_floats(a) * sizeof(float));
-    if (base != NULL) {  /* Q, then K and V, in each token's row of the QKV projection */
-        a->k = a->q + a->num_heads * a->head_dim;
-        a->v = a->k + a->num_kv_heads * a->head_dim;
-    }
+    if (base != NULL)
+        packed_qkv(a, l[QKV].y);
     for (int i = 0; i < LINEARS; i++) {
         if (!llmc_format_bits(l[i].format))
             continue;
@@ -915,10 +913,10 @@ static OrtStatus *layer_compute(void *state, OrtKernelContext *ctx) {
         gammas[0]->type != ORT_FLOAT || gammas[0]->rank != 1 || gammas[0]->dims[0] != hidden ||
         gammas[1]->type != ORT_FLOAT || gammas[1]->rank != 1 || gammas[1]->dims[0] != hidden)
         return error(op, "skip must match x's shape and both gammas be [hidden]");
-    const tensor *bias = &t[L_QKV_BIAS];
-    if (bias->value != NULL && (bias->type != ORT_FLOAT || bias->rank != 1 || bias->dims[0] != kernel->linear[QKV].n))
-        return error(op, "qkv_bias must be float32 [qkv_n]");
     const linear_kernel *lk = kernel->linear;
+    const tensor *bias = &t[L_QKV_BIAS];
+    if (bias->value != NULL && (bias->type != ORT_FLOAT || bias->rank != 1 || bias->dims[0] != lk[QKV].n))
+        return error(op, "qkv_bias must be float32 [qkv_n]");
     int64_t qkv_width = lk[QKV].n, inter = lk[GATE_UP].n / 2;
     if (lk[O].n != hidden || lk[DOWN].n != hidden || lk[GATE_UP].n % 2 != 0)
         return error(op, "O and down must project back to hidden, and gate/up to two equal halves");

@@ -55,6 +55,9 @@ typedef struct {
     int *out_of_memory; /* set by a task that could not allocate its scratch */
 } llmc_attention;
 
+/* The CPUs online (at least 1), read once: how finely the kernels split their work. */
+int64_t llmc_cpus(void);
+
 enum { LLMC_KV_FP32 = 0, LLMC_KV_FP16 = 1, LLMC_KV_BF16 = 2, LLMC_KV_INT8 = 3 };
 /* Bytes of one (plane, block, KV head) tile of the pool. */
 int64_t llmc_attention_tile_bytes(const llmc_attention *a);
