@@ -386,11 +386,13 @@ def test_sigterm_stops_accepting_drains_running_streams_then_exits(code_engine):
 
     started = threading.Event()
 
+    # 16 choices of the longest completion the context holds: thousands of chunks, so the stream outlasts
+    # uvicorn's 0.1 s shutdown tick however fast the engine steps (one choice of 240 did not on CI)
     def stream():
-        chunks, seen = client.completions.create(model="code", prompt="def main():\n", max_tokens=240, stream=True,
-                                                 extra_body={"ignore_eos": True}), []
+        chunks, seen = client.completions.create(model="code", prompt="def main():\n", max_tokens=240, n=16,
+                                                 stream=True, extra_body={"ignore_eos": True}), []
         for c in chunks:
-            seen.append(c.choices[0])
+            seen.extend(c.choices)
             started.set()
         result["chunks"] = seen
 
@@ -403,7 +405,8 @@ def test_sigterm_stops_accepting_drains_running_streams_then_exits(code_engine):
         client.completions.create(model="code", prompt="x", max_tokens=2)
     assert reader.is_alive()  # still streaming after SIGTERM and the refused connection: it is drained
     reader.join(timeout=60)
-    assert len(result["chunks"]) == 240 and result["chunks"][-1].finish_reason == "length"
+    per_choice = {i: [c for c in result["chunks"] if c.index == i] for i in range(16)}
+    assert all(len(cs) == 240 and cs[-1].finish_reason == "length" for cs in per_choice.values())
     assert s.proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
 
 
