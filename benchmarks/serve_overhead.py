@@ -12,7 +12,8 @@ as a user sees it: request sent -> first text chunk (TTFT), (last chunk - first 
   (a client on another machine takes none).
 Each round runs batch 1 (one request at a time, --requests of them) and then --concurrency
 streams at once, on every side in turn (order rotating per round); prompts are distinct random
-token ids, so nothing hits the prefix cache.
+token ids, so nothing hits the prefix cache. Every side decodes greedily: the API's default
+temperature (1) would add a sampling pass over the vocabulary per token to the HTTP sides only.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _in_process(conn, engine: str) -> None:
     llm = AsyncLLM(engine)
 
     async def one(prompt, n):
-        stream = await llm.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+        stream = await llm.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         async for out in stream:
             last = out
         m = last.metrics
@@ -63,8 +64,8 @@ def _in_process(conn, engine: str) -> None:
 
 async def _http_one(client, prompt, n):
     start = time.perf_counter()
-    stream = await client.completions.create(model="m", prompt=prompt, max_tokens=n, stream=True,
-                                             extra_body={"ignore_eos": True})
+    stream = await client.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
     times = []
     async for chunk in stream:
         if chunk.choices:  # one event per token, also where its text is empty (a partial UTF-8 character)
@@ -78,8 +79,8 @@ def _timings(start: float, times: list[float]):
 
 
 async def _sse_one(port: int, prompt, n):
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "stream": True,
-                       "ignore_eos": True}).encode()
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0,
+                       "stream": True, "ignore_eos": True}).encode()
     start = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

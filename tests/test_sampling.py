@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from llmc.errors import RequestError
-from llmc.runtime.sampling import Sampler, SamplingParams, _nucleus, make_rng
+from llmc.runtime.sampling import _DRAW_BLOCK, Sampler, SamplingParams, _draw, _nucleus, make_rng
 
 
 @pytest.mark.parametrize(
@@ -126,6 +126,24 @@ def test_nucleus_matches_full_sort(top_p):
     want = int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
     got = _nucleus(probs, top_p)
     assert sorted(got.tolist()) == sorted(order[:want].tolist())
+
+
+@pytest.mark.parametrize("vocab", [1, 7, _DRAW_BLOCK - 1, _DRAW_BLOCK, _DRAW_BLOCK + 1, 3 * _DRAW_BLOCK + 5])
+def test_the_two_level_draw_is_the_inverse_cdf(vocab):
+    # The draw searches block sums, then one block: it must pick the token a single cumulative sum
+    # picks (up to round-off at a boundary), and never a zero-probability token.
+    rng = np.random.default_rng(vocab)
+    probs = rng.random(vocab)
+    probs[::3] = 0.0  # zeros at block edges too
+    probs[-1] = probs[-1] or 0.5
+    cdf = np.cumsum(probs)
+    for u in np.concatenate([rng.random(400), np.linspace(0.0, 1.0 - 1e-12, 101)]):
+        got = _draw(None, probs, u)
+        want = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), vocab - 1)
+        assert probs[got] > 0
+        assert got == want or abs(cdf[min(got, want)] - u * cdf[-1]) <= 1e-9 * cdf[-1], (u, got, want)
+    ids = np.arange(100, 100 + vocab)
+    assert _draw(ids, probs, 0.5) == 100 + _draw(None, probs, 0.5)
 
 
 def test_temperature_sampling_frequencies_match_softmax():

@@ -185,11 +185,24 @@ def _support(scaled: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray |
     return ids, probs
 
 
+# The cumulative sum is taken in two levels, block sums and then one block's entries: numpy's
+# cumsum is a serial loop (~3 ns an entry, 0.15 ms over a 49k vocabulary), its sums are not.
+_DRAW_BLOCK = 512
+
+
 def _draw(ids: np.ndarray | None, probs: np.ndarray, u: float) -> int:
     """The token at u in [0, 1) of the distribution's cumulative sum."""
-    cdf = np.cumsum(probs)
-    # side="right" never lands on a zero-probability token; min() guards float round-off at the top.
-    pos = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(cdf) - 1)
+    starts = np.arange(0, len(probs), _DRAW_BLOCK)
+    block_cdf = np.cumsum(np.add.reduceat(probs, starts))
+    target = u * block_cdf[-1]
+    # side="right" never lands on a zero-probability block or token; min() guards round-off at the top.
+    b = min(int(np.searchsorted(block_cdf, target, side="right")), len(starts) - 1)
+    block = probs[starts[b]:starts[b] + _DRAW_BLOCK]
+    cdf = np.cumsum(block) + (block_cdf[b - 1] if b else 0.0)
+    pos = int(np.searchsorted(cdf, target, side="right"))
+    if pos == len(block):  # the two levels' round-off put the target past this block's sum
+        pos = int(np.flatnonzero(block)[-1])
+    pos += int(starts[b])
     return int(pos if ids is None else ids[pos])
 
 
