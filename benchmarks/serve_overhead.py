@@ -2,14 +2,17 @@
 
     python benchmarks/serve_overhead.py --engine ENGINE [--rounds 6] [--prompt 128] [--new 64] [--concurrency 16]
 
-In-process: AsyncLLM in a worker process of its own, timed by RequestOutput.metrics (arrival =
-add_request). HTTP: `llmc serve` in its own process, driven from this one by two clients and timed
-as a user sees it: request sent -> first text chunk (TTFT), (last chunk - first chunk) / (n - 1)
-(TPOT), gaps between chunks (ITL). The clients:
+Every side is timed as its caller sees it: request made -> first token in hand (TTFT), (last -
+first) / (n - 1) (TPOT), gaps between tokens (ITL). In-process: AsyncLLM in a worker process of its
+own, timed where its stream yields ("in-process", the ratios' base) and, for reference, by the
+engine's RequestOutput.metrics ("in-process engine": arrival = add_request, a token's time = its
+step's end, before it reaches any caller). HTTP: `llmc serve` in its own process, driven from this
+one by two clients:
 - "openai": the openai package's AsyncOpenAI, streaming;
-- "sse": a bare asyncio connection that reads the event stream's lines and json-decodes each
-  event. The server's overhead, with the least client CPU on the cores the server shares here
-  (a client on another machine takes none).
+- "sse": bare asyncio keep-alive connections (one per concurrent stream, opened before the
+  timing starts, as a client's pool holds them) that read the event stream's lines and
+  json-decode each event. The server's overhead, with the least client CPU on the cores the
+  server shares here (a client on another machine takes none).
 Each round runs batch 1 (one request at a time, --requests of them) and then --concurrency
 streams at once, on every side in turn (order rotating per round); prompts are distinct random
 token ids, so nothing hits the prefix cache. Every side decodes greedily: the API's default
@@ -33,7 +36,7 @@ import numpy as np
 
 
 CLIENTS = ("sse", "openai")
-SIDES = ("in-process", *(f"http {c}" for c in CLIENTS))
+SIDES = ("in-process", "in-process engine", *(f"http {c}" for c in CLIENTS))
 
 
 def _in_process(conn, engine: str) -> None:
@@ -43,11 +46,14 @@ def _in_process(conn, engine: str) -> None:
     llm = AsyncLLM(engine)
 
     async def one(prompt, n):
+        start = time.perf_counter()
         stream = await llm.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        times = []
         async for out in stream:
+            times += [time.perf_counter()] * (len(out.token_ids) - len(times))
             last = out
         m = last.metrics
-        return m.ttft, m.tpot, m.itl
+        return _timings(start, times), (m.ttft, m.tpot, m.itl)
 
     async def batch(prompts, n):
         return await asyncio.gather(*(one(p, n) for p in prompts))
@@ -78,11 +84,13 @@ def _timings(start: float, times: list[float]):
     return times[0] - start, (times[-1] - times[0]) / (len(times) - 1), [b - a for a, b in zip(times, times[1:])]
 
 
-async def _sse_one(port: int, prompt, n):
+async def _sse_one(connection, prompt, n):
+    """One streamed request on an open keep-alive connection (as a client's pool keeps them), read
+    to the end of its chunked body so that the connection can take the next."""
+    reader, writer = connection
     body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0,
                        "stream": True, "ignore_eos": True}).encode()
     start = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     times = []
@@ -90,9 +98,9 @@ async def _sse_one(port: int, prompt, n):
         if line.startswith(b"data: {"):
             if json.loads(line[6:])["choices"]:
                 times.append(time.perf_counter())
-        elif line.startswith(b"data: [DONE]"):
+        elif line == b"0\r\n":  # the last chunk: its blank line ends the response
+            await reader.readline()
             break
-    writer.close()
     return _timings(start, times)
 
 
@@ -105,7 +113,14 @@ def _http(url: str, client: str, prompts, n, together: bool):
     async def run():
         if client == "sse":
             port = int(url.rsplit(":", 1)[1])
-            return await each(lambda p: _sse_one(port, p, n))
+            pool = [await asyncio.open_connection("127.0.0.1", port) for _ in range(len(prompts) if together else 1)]
+            try:
+                if together:
+                    return await asyncio.gather(*(_sse_one(c, p, n) for c, p in zip(pool, prompts)))
+                return [await _sse_one(pool[0], p, n) for p in prompts]
+            finally:
+                for _, writer in pool:
+                    writer.close()
         import openai
 
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as http:
@@ -152,14 +167,17 @@ def main() -> None:
         def prompts(k):
             return [rng.integers(3, vocab, args.prompt).tolist() for _ in range(k)]
 
-        def local(ps, together):
+        def local(ps, together):  # caller-timed, and the engine's metrics of the same requests
             conn.send((ps, args.new, together))
-            return conn.recv()
+            pairs = conn.recv()
+            runs["in-process engine", together] += [engine for _, engine in pairs]
+            return [caller for caller, _ in pairs]
 
         runs = {(name, together): [] for name in SIDES for together in (False, True)}
         for client in CLIENTS:  # warm every side
             _http(url, client, prompts(2), args.new, False)
         local(prompts(2), False)
+        runs["in-process engine", False].clear()
         for rnd in range(args.rounds):
             for together, k in ((False, args.requests), (True, args.concurrency)):
                 sides = [("in-process", lambda ps: local(ps, together))]
