@@ -95,6 +95,16 @@ def test_tiny_top_p_is_greedy(temperature):
     assert out.tolist() == np.argmax(logits, axis=-1).tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-20, 1e-3])
+def test_a_tiny_temperature_samples_the_peak_without_overflow(temperature):
+    # The row is shifted by its peak before it is scaled: no temperature overflows float32 logits.
+    logits = _random_logits(8, 1000, seed=4)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        out = Sampler().sample(logits, [SamplingParams(temperature=temperature)] * 8,
+                               [np.random.default_rng(i) for i in range(8)])
+    assert out.tolist() == np.argmax(logits, axis=-1).tolist()
+
+
 def test_top_k_only_samples_from_the_k_best():
     logits = _random_logits(1, 200, seed=2)
     best = set(np.argsort(-logits[0])[:5].tolist())
@@ -146,14 +156,15 @@ def test_the_two_level_draw_is_the_inverse_cdf(vocab):
     assert _draw(ids, probs, 0.5) == 100 + _draw(None, probs, 0.5)
 
 
-def test_temperature_sampling_frequencies_match_softmax():
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_temperature_sampling_frequencies_match_softmax(dtype):
     base = np.log(np.array([0.1, 0.2, 0.3, 0.4]))
     temperature = 2.0
     expected = np.exp(base / temperature)
     expected /= expected.sum()
 
     rows, steps = 2000, 10
-    logits = np.tile(base.astype(np.float32), (rows, 1))
+    logits = np.tile(base.astype(dtype), (rows, 1))
     params = [SamplingParams(temperature=temperature)] * rows
     rngs = [np.random.default_rng(1000 + i) for i in range(rows)]
     sampler = Sampler()

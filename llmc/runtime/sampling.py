@@ -166,19 +166,28 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
         k *= 2
 
 
-def _support(scaled: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray | None, np.ndarray]:
-    """(token ids, or None for the whole vocabulary; their unnormalized probabilities) of
-    temperature-scaled float64 logits after top-k then top-p filtering: the one definition of
-    the distribution a row samples from."""
-    vocab = scaled.shape[0]
-    ids = _top_k(scaled, top_k) if 0 < top_k < vocab else None
-    vals = scaled if ids is None else scaled[ids]
+# Below this a temperature acts as this one: every token but the peak's (and its ties) is at 0.
+_MIN_TEMPERATURE = 1e-30
+
+
+def _support(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray | None, np.ndarray]:
+    """(token ids, or None for the whole vocabulary; their unnormalized probabilities) of one row's
+    logits at `temperature` after top-k then top-p filtering: the one definition of the
+    distribution a row samples from. The logits are shifted by their peak before they are scaled,
+    so every exponent is <= 0 and no temperature overflows them; so the row stays in its own
+    float32, where a float64 copy of a batch's logits had cost more than the sampling itself."""
+    vocab = logits.shape[0]
+    ids = _top_k(logits, top_k) if 0 < top_k < vocab else None
+    vals = logits if ids is None else logits[ids]
     peak = vals.max()
     if not np.isfinite(peak):  # every token masked to -inf (or NaN logits): nothing to sample from
-        return np.array([int(np.argmax(scaled))]), np.ones(1)
-    probs = np.exp(vals - peak)
+        return np.array([int(np.argmax(logits))]), np.ones(1)
+    probs = np.subtract(vals, peak, dtype=np.result_type(vals.dtype, np.float32))  # 16-bit logits widen
+    with np.errstate(over="ignore"):  # a tiny temperature sends the others to -inf: probability 0
+        np.divide(probs, max(temperature, _MIN_TEMPERATURE), out=probs)
+    np.exp(probs, out=probs)
     if top_p < 1.0:
-        probs /= probs.sum()
+        probs /= probs.sum(dtype=np.float64)
         keep = _nucleus(probs, top_p)
         ids = keep if ids is None else ids[keep]
         probs = probs[keep]
@@ -193,12 +202,12 @@ _DRAW_BLOCK = 512
 def _draw(ids: np.ndarray | None, probs: np.ndarray, u: float) -> int:
     """The token at u in [0, 1) of the distribution's cumulative sum."""
     starts = np.arange(0, len(probs), _DRAW_BLOCK)
-    block_cdf = np.cumsum(np.add.reduceat(probs, starts))
+    block_cdf = np.cumsum(np.add.reduceat(probs, starts, dtype=np.float64))
     target = u * block_cdf[-1]
     # side="right" never lands on a zero-probability block or token; min() guards round-off at the top.
     b = min(int(np.searchsorted(block_cdf, target, side="right")), len(starts) - 1)
     block = probs[starts[b]:starts[b] + _DRAW_BLOCK]
-    cdf = np.cumsum(block) + (block_cdf[b - 1] if b else 0.0)
+    cdf = np.cumsum(block, dtype=np.float64) + (block_cdf[b - 1] if b else 0.0)
     pos = int(np.searchsorted(cdf, target, side="right"))
     if pos == len(block):  # the two levels' round-off put the target past this block's sum
         pos = int(np.flatnonzero(block)[-1])
@@ -206,15 +215,15 @@ def _draw(ids: np.ndarray | None, probs: np.ndarray, u: float) -> int:
     return int(pos if ids is None else ids[pos])
 
 
-def _sample_row(scaled: np.ndarray, top_k: int, top_p: float, rng: np.random.Generator) -> int:
-    """One token from temperature-scaled float64 logits, after top-k then top-p filtering."""
+def _sample_row(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token from a row's logits at its temperature, after top-k then top-p filtering."""
     u = rng.random()  # drawn first and unconditionally: exactly one draw per row per step
-    return _draw(*_support(scaled, top_k, top_p), u)
+    return _draw(*_support(logits, params.temperature, params.top_k, params.top_p), u)
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The dense float64 distribution [V] a sampled row draws its token from (params not greedy)."""
-    ids, probs = _support(logits.astype(np.float64) / params.temperature, params.top_k, params.top_p)
+    ids, probs = _support(logits, params.temperature, params.top_k, params.top_p)
     dense = np.zeros(logits.shape[0])
     dense[slice(None) if ids is None else ids] = probs
     return dense / dense.sum()
@@ -295,12 +304,6 @@ class Sampler:
             out[greedy] = np.argmax(logits[greedy], axis=-1) if argmax is None else argmax[greedy]
 
         sampled = np.flatnonzero(~greedy)
-        if sampled.size:
-            temps = np.array([params[i].temperature for i in sampled], dtype=np.float64)
-            # float64 before dividing: a tiny temperature would overflow float32 logits to inf.
-            scaled = logits[sampled].astype(np.float64) / temps[:, None]
-            for row, i in zip(scaled, sampled):
-                p = params[i]
-                rng = rngs[i] if rngs[i] is not None else self._fallback_rng
-                out[i] = _sample_row(row, p.top_k, p.top_p, rng)
+        for i in sampled:
+            out[i] = _sample_row(logits[i], params[i], rngs[i] if rngs[i] is not None else self._fallback_rng)
         return out
