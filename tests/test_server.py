@@ -548,10 +548,11 @@ def test_a_replica_killed_mid_run_loses_no_request(replicas, local):
     the stream break or an error status), every other one completes identical to in-process, each
     request is counted once, and the deployment serves new requests afterwards."""
     prompts = [f"def h{i}(data):\n" for i in range(24)]
+    max_new = 240  # the most the 256-token context leaves: the streams outlast the kill (0.9 s at 160 here)
 
     async def one(client, i, first_token):
         try:
-            stream = await client.completions.create(model="code", prompt=prompts[i], max_tokens=160,
+            stream = await client.completions.create(model="code", prompt=prompts[i], max_tokens=max_new,
                                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
             text = ""
             async for chunk in stream:
@@ -577,7 +578,7 @@ def test_a_replica_killed_mid_run_loses_no_request(replicas, local):
     completed = [(i, text) for i, (kind, text) in enumerate(outcomes) if kind == "completed"]
     failed = [i for i, (kind, _) in enumerate(outcomes) if kind == "failed"]
     assert len(completed) + len(failed) == 24 and failed and completed, outcomes
-    params = SamplingParams(max_tokens=160, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_new, ignore_eos=True)
     for i, text in completed:
         assert text == local.generate(prompts[i], params).text, i
     after = _client(replicas).completions.create(model="code", prompt=prompts[0], max_tokens=8, temperature=0)
