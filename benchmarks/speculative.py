@@ -13,7 +13,9 @@ thread pools); each request runs alone (batch 1) on every configuration in turn,
 per request and round, so drift on this noisy machine hits them alike. TPOT is each request's own (E2E -
 TTFT) / (n - 1); the table gives the mean over requests and rounds, the ratio to plain decoding,
 acceptance and output tokens per decode step. `--batch N` also runs N open-ended requests at once,
-three times per round, and compares output tokens per second.
+three times per round after one untimed run (as the batch-1 side is warmed: a fresh process's
+first run at a batch size pays its step shapes and the adaptive rule's first measurements there,
+once in a server's life), and compares output tokens per second.
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ def main() -> None:
         for config in configs.values():  # warm: sessions, step shapes, the adaptive rule's first steps
             for prompt in loads["open"][:2] + loads["random"][:2]:
                 config.run([prompt], params)
+            if args.batch:  # the same at the batch size: its shapes, and the rule's first measurements there
+                config.run(batch, params)
         for load, prompts in loads.items():
             for i, prompt in enumerate(prompts):
                 shift = (i + rnd) % len(names)
