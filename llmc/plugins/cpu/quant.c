@@ -31,6 +31,8 @@
 #define SUB 32              /* k steps per activation sum, and int4's 16-bit sub-block */
 #ifndef QUANT_AHEAD
 #define QUANT_AHEAD 4096 /* prefetch distance in bytes, as the lossless tile's */
+#endif
+#ifndef ONE_ROW_AHEAD
 /* The VNNI tile's one-row loop's, to L1 (docs/quantization.md, "The integer and 16-bit GEMMs"). */
 #define ONE_ROW_AHEAD 8192
 #endif
