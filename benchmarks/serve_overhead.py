@@ -17,6 +17,8 @@ Each round runs batch 1 (one request at a time, --requests of them) and then --c
 streams at once, on every side in turn (order rotating per round); prompts are distinct random
 token ids, so nothing hits the prefix cache. Every side decodes greedily: the API's default
 temperature (1) would add a sampling pass over the vocabulary per token to the HTTP sides only.
+It also prints the batch-1 sse side's CPU a token (Linux: the loop thread's /proc schedstat): what
+the server's event loop and the client take from the cores ONNX Runtime's threads use.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 
@@ -129,6 +132,19 @@ def _http(url: str, client: str, prompts, n, together: bool):
     return asyncio.run(run())
 
 
+def _schedstat(pid: int) -> tuple[int, int]:
+    """A process's main thread's ns on a CPU and ns runnable but waiting for one (Linux's /proc)."""
+    run_ns, wait_ns, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+    return int(run_ns), int(wait_ns)
+
+
+def _cpu_spent(pid: int, before: tuple[int, int], client_before: float, tokens: int) -> tuple[float, float, float]:
+    """Seconds a token since `before`: the server's event loop (its main thread) on a CPU and
+    runnable but waiting for one, and this client process on a CPU."""
+    run_ns, wait_ns = (a - b for a, b in zip(_schedstat(pid), before))
+    return run_ns / 1e9 / tokens, wait_ns / 1e9 / tokens, (time.process_time() - client_before) / tokens
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engine", required=True)
@@ -174,6 +190,7 @@ def main() -> None:
             return [caller for caller, _ in pairs]
 
         runs = {(name, together): [] for name in SIDES for together in (False, True)}
+        cpu = []  # the batch-1 sse side's CPU a token, per round
         for client in CLIENTS:  # warm every side
             _http(url, client, prompts(2), args.new, False)
         local(prompts(2), False)
@@ -184,7 +201,11 @@ def main() -> None:
                 sides += [(f"http {c}", lambda ps, c=c: _http(url, c, ps, args.new, together)) for c in CLIENTS]
                 for name, run in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
                     time.sleep(0.2)  # the other side's idle threads park
+                    watched = name == "http sse" and not together
+                    before = (_schedstat(server.pid), time.process_time()) if watched else None
                     runs[name, together] += run(prompts(k))
+                    if watched:
+                        cpu.append(_cpu_spent(server.pid, *before, tokens=k * args.new))
     finally:
         conn.send(None)
         server.terminate()
@@ -202,6 +223,10 @@ def main() -> None:
         ttft, tpot = mean([r[0] for r in rs]), mean([r[1] for r in rs])
         print(f"  {name:>12} TTFT {ttft:7.3f}  TPOT {tpot:7.3f}   {ttft / mean([r[0] for r in base]):.3f}x"
               f"  {tpot / mean([r[1] for r in base]):.3f}x")
+    if cpu:
+        loop, loop_wait, client = (mean([c[i] for c in cpu]) for i in range(3))
+        print(f"  http sse, a token's share of the side's CPU (requests and prefills included): server's event "
+              f"loop {loop:.3f} (and {loop_wait:.3f} runnable, waiting for a core), client {client:.3f}")
     print(f"{args.concurrency} concurrent streams: TPOT p50 / p99 over requests, ITL p99 over gaps; p99 / in-process")
     base = np.percentile([r[1] for r in runs["in-process", True]], 99)
     for name in SIDES:
