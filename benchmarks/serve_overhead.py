@@ -201,9 +201,9 @@ def main() -> None:
                 sides += [(f"http {c}", lambda ps, c=c: _http(url, c, ps, args.new, together)) for c in CLIENTS]
                 for name, run in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
                     time.sleep(0.2)  # the other side's idle threads park
-                    watched = name == "http sse" and not together
+                    ps, watched = prompts(k), name == "http sse" and not together
                     before = (_schedstat(server.pid), time.process_time()) if watched else None
-                    runs[name, together] += run(prompts(k))
+                    runs[name, together] += run(ps)
                     if watched:
                         cpu.append(_cpu_spent(server.pid, *before, tokens=k * args.new))
     finally:
