@@ -1,6 +1,7 @@
 """What HTTP costs: `llmc serve` streaming against the same engine in-process, interleaved.
 
-    python benchmarks/serve_overhead.py --engine ENGINE [--rounds 6] [--prompt 128] [--new 64] [--concurrency 16]
+    python benchmarks/serve_overhead.py --engine ENGINE [--rounds 6] [--prompt 128] [--new 64]
+        [--concurrency 16] [--spacing 2]
 
 Every side is timed as its caller sees it: request made -> first token in hand (TTFT), (last -
 first) / (n - 1) (TPOT), gaps between tokens (ITL). In-process: AsyncLLM in a worker process of its
@@ -9,13 +10,17 @@ engine's RequestOutput.metrics ("in-process engine": arrival = add_request, a to
 step's end, before it reaches any caller). HTTP: `llmc serve` in its own process, driven from this
 one by two clients:
 - "openai": the openai package's AsyncOpenAI, streaming;
-- "sse": bare asyncio keep-alive connections (one per concurrent stream, opened before the
-  timing starts, as a client's pool holds them) that read the event stream's lines and
+- "sse": bare keep-alive sockets (one per concurrent stream, each read by a thread of its own
+  with blocking recv calls; opened before the timing starts, as a client's pool holds them) that
   json-decode each event. The server's overhead, with the least client CPU on the cores the
-  server shares here (a client on another machine takes none).
-Each round runs batch 1 (one request at a time, --requests of them) and then --concurrency
-streams at once, on every side in turn (order rotating per round); prompts are distinct random
-token ids, so nothing hits the prefix cache. Every side decodes greedily: the API's default
+  server shares here (a client on another machine takes none): half an asyncio reader's.
+Each round runs three loads, each on every side in turn (order rotating per round): batch 1 (one
+request at a time, --requests of them), --concurrency streams sent at once, and as many sent
+--spacing ms apart. "At once" is one loop tick in-process, where the engine's first step takes
+several prompts, but over HTTP the server parses the requests one by one and the first often
+starts alone: its TTFT falls and its TPOT rises (it decodes through the others' prefills) at the
+same E2E, which the at-once rows print beside. Spaced requests arrive alike on every side.
+Prompts are distinct random token ids, so nothing hits the prefix cache. Every side decodes greedily: the API's default
 temperature (1) would add a sampling pass over the vocabulary per token to the HTTP sides only.
 It also prints the batch-1 sse side's CPU a token (Linux: the loop thread's /proc schedstat): what
 the server's event loop and the client take from the cores ONNX Runtime's threads use.
@@ -33,6 +38,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +54,8 @@ def _in_process(conn, engine: str) -> None:
 
     llm = AsyncLLM(engine)
 
-    async def one(prompt, n):
+    async def one(prompt, n, delay=0.0):
+        await asyncio.sleep(delay)
         start = time.perf_counter()
         stream = await llm.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         times = []
@@ -58,20 +65,21 @@ def _in_process(conn, engine: str) -> None:
         m = last.metrics
         return _timings(start, times), (m.ttft, m.tpot, m.itl)
 
-    async def batch(prompts, n):
-        return await asyncio.gather(*(one(p, n) for p in prompts))
+    async def batch(prompts, n, spacing):
+        return await asyncio.gather(*(one(p, n, i * spacing) for i, p in enumerate(prompts)))
 
     loop = asyncio.new_event_loop()  # one loop for the worker's life: AsyncLLM's step loop lives on it
     conn.send("ready")
     while (job := conn.recv()) is not None:
-        prompts, n, together = job
-        if together:
-            conn.send(loop.run_until_complete(batch(prompts, n)))
+        prompts, n, spacing = job
+        if spacing is None:
+            conn.send([loop.run_until_complete(batch([p], n, 0.0))[0] for p in prompts])
         else:
-            conn.send([loop.run_until_complete(batch([p], n))[0] for p in prompts])
+            conn.send(loop.run_until_complete(batch(prompts, n, spacing)))
 
 
-async def _http_one(client, prompt, n):
+async def _openai_one(client, prompt, n, delay=0.0):
+    await asyncio.sleep(delay)
     start = time.perf_counter()
     stream = await client.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=0,
                                              stream=True, extra_body={"ignore_eos": True})
@@ -87,49 +95,53 @@ def _timings(start: float, times: list[float]):
     return times[0] - start, (times[-1] - times[0]) / (len(times) - 1), [b - a for a, b in zip(times, times[1:])]
 
 
-async def _sse_one(connection, prompt, n):
-    """One streamed request on an open keep-alive connection (as a client's pool keeps them), read
-    to the end of its chunked body so that the connection can take the next."""
-    reader, writer = connection
+def _sse_one(sock: socket.socket, prompt, n, delay=0.0):
+    """One streamed request on an open keep-alive connection, read to the end of its chunked body
+    so that the connection can take the next. A token's time is when the read that brought it
+    returned."""
+    time.sleep(delay)
     body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0,
                        "stream": True, "ignore_eos": True}).encode()
     start = time.perf_counter()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    times = []
-    while line := await reader.readline():  # chunked transfer: size lines, event lines, blank lines
-        if line.startswith(b"data: {"):
-            if json.loads(line[6:])["choices"]:
-                times.append(time.perf_counter())
-        elif line == b"0\r\n":  # the last chunk: its blank line ends the response
-            await reader.readline()
-            break
+    times, rest = [], b""
+    while not rest.endswith(b"\r\n0\r\n\r\n"):  # chunked transfer's last chunk ends the response
+        data = sock.recv(1 << 16)
+        if not data:
+            raise ConnectionError("the server closed the connection mid-stream")
+        now = time.perf_counter()
+        *events, rest = (rest + data).split(b"\n\n")  # an event ends with a blank line
+        for event in events:
+            at = event.find(b"data: {")
+            if at >= 0 and json.loads(event[at + 6:])["choices"]:
+                times.append(now)
     return _timings(start, times)
 
 
-def _http(url: str, client: str, prompts, n, together: bool):
-    async def each(one):  # all at once, or one after another
-        if together:
-            return await asyncio.gather(*(one(p) for p in prompts))
-        return [await one(p) for p in prompts]
-
-    async def run():
-        if client == "sse":
-            port = int(url.rsplit(":", 1)[1])
-            pool = [await asyncio.open_connection("127.0.0.1", port) for _ in range(len(prompts) if together else 1)]
-            try:
-                if together:
-                    return await asyncio.gather(*(_sse_one(c, p, n) for c, p in zip(pool, prompts)))
-                return [await _sse_one(pool[0], p, n) for p in prompts]
-            finally:
-                for _, writer in pool:
-                    writer.close()
+def _http(url: str, client: str, prompts, n, spacing: float | None):
+    """Each prompt's timings through `llmc serve`: one after another (spacing None), or all
+    streaming together, the i-th sent i * spacing seconds after the first."""
+    if client == "openai":
         import openai
 
-        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as http:
-            return await each(lambda p: _http_one(http, p, n))
+        async def run():
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as http:
+                if spacing is None:
+                    return [await _openai_one(http, p, n) for p in prompts]
+                return await asyncio.gather(*(_openai_one(http, p, n, i * spacing) for i, p in enumerate(prompts)))
 
-    return asyncio.run(run())
+        return asyncio.run(run())
+    port = int(url.rsplit(":", 1)[1])
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(1 if spacing is None else len(prompts))]
+    try:
+        if spacing is None:
+            return [_sse_one(socks[0], p, n) for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as threads:
+            return list(threads.map(lambda i: _sse_one(socks[i], prompts[i], n, i * spacing), range(len(prompts))))
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def _schedstat(pid: int) -> tuple[int, int]:
@@ -153,6 +165,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--spacing", type=float, default=2.0,
+                    help="ms between the concurrent streams' requests in the spaced load")
     args = ap.parse_args()
 
     with socket.socket() as s:
@@ -183,27 +197,28 @@ def main() -> None:
         def prompts(k):
             return [rng.integers(3, vocab, args.prompt).tolist() for _ in range(k)]
 
-        def local(ps, together):  # caller-timed, and the engine's metrics of the same requests
-            conn.send((ps, args.new, together))
+        def local(ps, spacing):  # caller-timed, and the engine's metrics of the same requests
+            conn.send((ps, args.new, spacing))
             pairs = conn.recv()
-            runs["in-process engine", together] += [engine for _, engine in pairs]
+            runs["in-process engine", spacing] += [engine for _, engine in pairs]
             return [caller for caller, _ in pairs]
 
-        runs = {(name, together): [] for name in SIDES for together in (False, True)}
+        loads = ((None, args.requests), (0.0, args.concurrency), (args.spacing / 1e3, args.concurrency))
+        runs = {(name, spacing): [] for name in SIDES for spacing, _ in loads}
         cpu = []  # the batch-1 sse side's CPU a token, per round
         for client in CLIENTS:  # warm every side
-            _http(url, client, prompts(2), args.new, False)
-        local(prompts(2), False)
-        runs["in-process engine", False].clear()
+            _http(url, client, prompts(2), args.new, None)
+        local(prompts(2), None)
+        runs["in-process engine", None].clear()
         for rnd in range(args.rounds):
-            for together, k in ((False, args.requests), (True, args.concurrency)):
-                sides = [("in-process", lambda ps: local(ps, together))]
-                sides += [(f"http {c}", lambda ps, c=c: _http(url, c, ps, args.new, together)) for c in CLIENTS]
+            for spacing, k in loads:
+                sides = [("in-process", lambda ps: local(ps, spacing))]
+                sides += [(f"http {c}", lambda ps, c=c: _http(url, c, ps, args.new, spacing)) for c in CLIENTS]
                 for name, run in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
                     time.sleep(0.2)  # the other side's idle threads park
-                    ps, watched = prompts(k), name == "http sse" and not together
+                    ps, watched = prompts(k), name == "http sse" and spacing is None
                     before = (_schedstat(server.pid), time.process_time()) if watched else None
-                    runs[name, together] += run(ps)
+                    runs[name, spacing] += run(ps)
                     if watched:
                         cpu.append(_cpu_spent(server.pid, *before, tokens=k * args.new))
     finally:
@@ -217,9 +232,9 @@ def main() -> None:
     print(f"engine {args.engine}: {args.prompt}-token prompts, {args.new} new tokens, {args.rounds} rounds, "
           "interleaved; ms")
     print(f"batch 1 ({args.requests} requests per round): TTFT mean, TPOT mean; / in-process")
-    base = runs["in-process", False]
+    base = runs["in-process", None]
     for name in SIDES:
-        rs = runs[name, False]
+        rs = runs[name, None]
         ttft, tpot = mean([r[0] for r in rs]), mean([r[1] for r in rs])
         print(f"  {name:>12} TTFT {ttft:7.3f}  TPOT {tpot:7.3f}   {ttft / mean([r[0] for r in base]):.3f}x"
               f"  {tpot / mean([r[1] for r in base]):.3f}x")
@@ -227,15 +242,22 @@ def main() -> None:
         loop, loop_wait, client = (mean([c[i] for c in cpu]) for i in range(3))
         print(f"  http sse, a token's share of the side's CPU (requests and prefills included): server's event "
               f"loop {loop:.3f} (and {loop_wait:.3f} runnable, waiting for a core), client {client:.3f}")
-    print(f"{args.concurrency} concurrent streams: TPOT p50 / p99 over requests, ITL p99 over gaps; p99 / in-process")
-    base = np.percentile([r[1] for r in runs["in-process", True]], 99)
-    for name in SIDES:
-        rs = runs[name, True]
-        tpot = [r[1] for r in rs]
-        itl = [g for r in rs for g in r[2]]
-        p99 = np.percentile(tpot, 99)
-        print(f"  {name:>12} TPOT p50 {np.percentile(tpot, 50) * 1e3:7.3f}  p99 {p99 * 1e3:7.3f}  "
-              f"ITL p99 {np.percentile(itl, 99) * 1e3:7.3f}   {p99 / base:.3f}x")
+    for (spacing, k), label in zip(loads[1:], ("sent at once", f"sent {args.spacing:g} ms apart")):
+        print(f"{k} concurrent streams, {label}: TPOT p50 / p99 and E2E p99 over requests, ITL p99 over "
+              "gaps; TPOT p99, E2E p99 / in-process")
+
+        def p99s(rs):  # TPOT, E2E
+            return (np.percentile([r[1] for r in rs], 99),
+                    np.percentile([r[0] + r[1] * (args.new - 1) for r in rs], 99))
+
+        base = p99s(runs["in-process", spacing])
+        for name in SIDES:
+            rs = runs[name, spacing]
+            tpot, e2e = p99s(rs)
+            itl = [g for r in rs for g in r[2]]
+            print(f"  {name:>12} TPOT p50 {np.percentile([r[1] for r in rs], 50) * 1e3:7.3f}  p99 {tpot * 1e3:7.3f}"
+                  f"  E2E p99 {e2e * 1e3:6.0f}  ITL p99 {np.percentile(itl, 99) * 1e3:7.3f}   "
+                  f"{tpot / base[0]:.3f}x  {e2e / base[1]:.3f}x")
 
 
 if __name__ == "__main__":
