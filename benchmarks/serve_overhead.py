@@ -5,7 +5,7 @@
 
 Every side is timed as its caller sees it: request made -> first token in hand (TTFT), (last -
 first) / (n - 1) (TPOT), gaps between tokens (ITL). In-process: AsyncLLM in a worker process of its
-own, timed where its stream yields ("in-process", the ratios' base) and, for reference, by the
+own on uvloop (the loop the server runs), timed where its stream yields ("in-process", the ratios' base) and, for reference, by the
 engine's RequestOutput.metrics ("in-process engine": arrival = add_request, a token's time = its
 step's end, before it reaches any caller). HTTP: `llmc serve` in its own process, driven from this
 one by two clients:
@@ -68,7 +68,9 @@ def _in_process(conn, engine: str) -> None:
     async def batch(prompts, n, spacing):
         return await asyncio.gather(*(one(p, n, i * spacing) for i, p in enumerate(prompts)))
 
-    loop = asyncio.new_event_loop()  # one loop for the worker's life: AsyncLLM's step loop lives on it
+    import uvloop  # the loop `llmc serve` runs on (uvicorn[standard]): the sides differ by HTTP alone
+
+    loop = uvloop.new_event_loop()  # one loop for the worker's life: AsyncLLM's step loop lives on it
     conn.send("ready")
     while (job := conn.recv()) is not None:
         prompts, n, spacing = job
