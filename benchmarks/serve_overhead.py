@@ -5,9 +5,9 @@
 
 Every side is timed as its caller sees it: request made -> first token in hand (TTFT), (last -
 first) / (n - 1) (TPOT), gaps between tokens (ITL). In-process: AsyncLLM in a worker process of its
-own on uvloop (the loop the server runs), timed where its stream yields ("in-process", the ratios' base) and, for reference, by the
-engine's RequestOutput.metrics ("in-process engine": arrival = add_request, a token's time = its
-step's end, before it reaches any caller). HTTP: `llmc serve` in its own process, driven from this
+own on uvloop (the loop the server runs), timed where its stream yields ("in-process", the
+ratios' base) and, for reference, by the engine's RequestOutput.metrics ("in-process engine":
+arrival = add_request, a token's time = its step's end, before it reaches any caller). HTTP: `llmc serve` in its own process, driven from this
 one by two clients:
 - "openai": the openai package's AsyncOpenAI, streaming;
 - "sse": bare keep-alive sockets (one per concurrent stream, each read by a thread of its own
