@@ -113,6 +113,10 @@ def _sse_one(sock: socket.socket, prompt, n, delay=0.0):
         if not data:
             raise ConnectionError("the server closed the connection mid-stream")
         now = time.perf_counter()
+        if not times and not rest and not data.startswith(b"HTTP/1.1 200"):  # an error has no event stream
+            response = (data if data.endswith(b"}") else data + sock.recv(1 << 16)).decode(errors="replace")
+            status, body = response.split("\r\n", 1)[0], response.rsplit("\r\n", 1)[-1]
+            raise SystemExit(f"llmc serve answered {status}: {body[:300]}")
         *events, rest = (rest + data).split(b"\n\n")  # an event ends with a blank line
         for event in events:
             at = event.find(b"data: {")
