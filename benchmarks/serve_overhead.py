@@ -7,8 +7,8 @@ Every side is timed as its caller sees it: request made -> first token in hand (
 first) / (n - 1) (TPOT), gaps between tokens (ITL). In-process: AsyncLLM in a worker process of its
 own on uvloop (the loop the server runs), timed where its stream yields ("in-process", the
 ratios' base) and, for reference, by the engine's RequestOutput.metrics ("in-process engine":
-arrival = add_request, a token's time = its step's end, before it reaches any caller). HTTP: `llmc serve` in its own process, driven from this
-one by two clients:
+arrival = add_request, a token's time = its step's end, before it reaches any caller). HTTP:
+`llmc serve` in its own process, driven from this one by two clients:
 - "openai": the openai package's AsyncOpenAI, streaming;
 - "sse": bare keep-alive sockets (one per concurrent stream, each read by a thread of its own
   with blocking recv calls; opened before the timing starts, as a client's pool holds them) that
@@ -20,8 +20,9 @@ request at a time, --requests of them), --concurrency streams sent at once, and 
 several prompts, but over HTTP the server parses the requests one by one and the first often
 starts alone: its TTFT falls and its TPOT rises (it decodes through the others' prefills) at the
 same E2E, which the at-once rows print beside. Spaced requests arrive alike on every side.
-Prompts are distinct random token ids, so nothing hits the prefix cache. Every side decodes greedily: the API's default
-temperature (1) would add a sampling pass over the vocabulary per token to the HTTP sides only.
+Prompts are distinct random token ids, so nothing hits the prefix cache. Every side decodes
+greedily: the API's default temperature (1) would add a sampling pass over the vocabulary per
+token to the HTTP sides only.
 It also prints the batch-1 sse side's CPU a token (Linux: the loop thread's /proc schedstat): what
 the server's event loop and the client take from the cores ONNX Runtime's threads use.
 """
@@ -32,6 +33,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import re
 import socket
 import statistics
 import subprocess
@@ -114,15 +116,26 @@ def _sse_one(sock: socket.socket, prompt, n, delay=0.0):
             raise ConnectionError("the server closed the connection mid-stream")
         now = time.perf_counter()
         if not times and not rest and not data.startswith(b"HTTP/1.1 200"):  # an error has no event stream
-            response = (data if data.endswith(b"}") else data + sock.recv(1 << 16)).decode(errors="replace")
-            status, body = response.split("\r\n", 1)[0], response.rsplit("\r\n", 1)[-1]
-            raise SystemExit(f"llmc serve answered {status}: {body[:300]}")
+            raise SystemExit(f"llmc serve answered {_refusal(sock, data)}")
         *events, rest = (rest + data).split(b"\n\n")  # an event ends with a blank line
         for event in events:
             at = event.find(b"data: {")
             if at >= 0 and json.loads(event[at + 6:])["choices"]:
                 times.append(now)
     return _timings(start, times)
+
+
+def _refusal(sock: socket.socket, data: bytes) -> str:
+    """The status line and body of a response that begins with `data`, its body read to its
+    Content-Length."""
+    while b"\r\n\r\n" not in data and (more := sock.recv(1 << 16)):  # the headers came in pieces
+        data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length: *(\d+)", head)
+    while length and len(body) < int(length[1]) and (more := sock.recv(1 << 16)):
+        body += more
+    status = head.split(b"\r\n", 1)[0].decode()
+    return f"{status}: {body[:300].decode(errors='replace')}"
 
 
 def _http(url: str, client: str, prompts, n, spacing: float | None):
@@ -248,14 +261,13 @@ def main() -> None:
         loop, loop_wait, client = (mean([c[i] for c in cpu]) for i in range(3))
         print(f"  http sse, a token's share of the side's CPU (requests and prefills included): server's event "
               f"loop {loop:.3f} (and {loop_wait:.3f} runnable, waiting for a core), client {client:.3f}")
+    def p99s(rs):  # TPOT, E2E
+        return (np.percentile([r[1] for r in rs], 99),
+                np.percentile([r[0] + r[1] * (args.new - 1) for r in rs], 99))
+
     for (spacing, k), label in zip(loads[1:], ("sent at once", f"sent {args.spacing:g} ms apart")):
         print(f"{k} concurrent streams, {label}: TPOT p50 / p99 and E2E p99 over requests, ITL p99 over "
               "gaps; TPOT p99, E2E p99 / in-process")
-
-        def p99s(rs):  # TPOT, E2E
-            return (np.percentile([r[1] for r in rs], 99),
-                    np.percentile([r[0] + r[1] * (args.new - 1) for r in rs], 99))
-
         base = p99s(runs["in-process", spacing])
         for name in SIDES:
             rs = runs[name, spacing]
