@@ -201,6 +201,23 @@ def test_closing_a_stream_early_aborts_its_request(llama_engine):
     _run(main)
 
 
+def test_a_consumer_that_fell_behind_takes_every_queued_snapshot_at_once(llama_engine):
+    """`ready()` hands over what is queued without waiting (a server writes it in one send): in
+    order, up to and including the final snapshot, and nothing after it."""
+    async def main():
+        engine = AsyncLLM(llama_engine)
+        stream = await engine.add_request("a long answer", SamplingParams(max_tokens=12, ignore_eos=True))
+        while stream.request_id in engine._streams:  # open until its final snapshot is queued
+            await asyncio.sleep(0.01)
+        outs = [await anext(stream), *stream.ready()]
+        await _settle(engine)
+        return outs, stream.ready()
+
+    outs, after = _run(main)
+    assert [len(o.token_ids) for o in outs] == list(range(1, 13)) and outs[-1].finish_reason == "length"
+    assert "".join(o.delta for o in outs) == outs[-1].text and after == []
+
+
 def test_closing_or_dropping_an_unread_stream_aborts_its_request(llama_engine):
     """A server can close a request's streams before reading any (a client gone at once, a later
     choice rejected): that aborts them too, as does dropping one unclosed."""

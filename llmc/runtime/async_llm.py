@@ -222,6 +222,17 @@ class RequestStream:
         self._done = out.finished
         return out
 
+    def ready(self) -> list[RequestOutput]:
+        """The snapshots already queued, taken without waiting: what a consumer that fell behind
+        can hand on together (a server writes them to its socket at once)."""
+        outs = []
+        queue = self._stream.queue
+        while not self._done and not queue.empty():
+            out = queue.get_nowait()
+            self._done = out.finished
+            outs.append(out)
+        return outs
+
     async def aclose(self) -> None:
         self._close()
 
