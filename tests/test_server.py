@@ -593,3 +593,45 @@ def test_the_router_ranks_replicas_by_slots_in_use_and_kv_usage():
     assert load({"kv_usage": 0.9, "max_num_seqs": 16}, 20) == pytest.approx(20 / 16 + 0.9)
     assert load({}, 4) == load(idle, 4)  # a replica that has not reported yet: the defaults
     assert load({**idle, "kv_usage": 0.8}, 2) > load(idle, 8)  # a nearly full cache outweighs a few requests
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_an_event_stream_stops_writing_and_closes_its_chunks_when_the_client_leaves(first):
+    # The client leaves while the writer waits for its first chunk (`first`) or its third. The
+    # writer is cancelled there, the chunks' generator closes (for a request: the abort), and the
+    # response ends without an error, its task not left cancelled.
+    from llmc.server.app import _EventStream
+
+    written, closed = [], []
+
+    async def main():
+        leave, never = asyncio.Event(), asyncio.Event()
+
+        async def chunks():
+            try:
+                if first:
+                    await never.wait()  # the first token is still being computed
+                yield b"data: 1\n\n"
+                yield b"data: 2\n\n"
+                await never.wait()  # nor does the third come
+                yield b"data: 3\n\n"
+            finally:
+                closed.append(True)
+
+        async def receive():
+            await leave.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            written.append(message)
+            if len(written) == (1 if first else 3):  # the headers, or the headers and two chunks
+                leave.set()
+
+        writer = asyncio.create_task(_EventStream(chunks())(None, receive, send))
+        await asyncio.wait({writer}, timeout=10)
+        writer.result()  # done, and without an error (a CancelledError too would raise here)
+        return writer.cancelling()
+
+    assert asyncio.run(main()) == 0 and closed == [True]
+    bodies = [m["body"] for m in written if m["type"] == "http.response.body"]
+    assert bodies == ([] if first else [b"data: 1\n\n", b"data: 2\n\n"])
