@@ -259,7 +259,8 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
                         written.append(b'%s"choices": [%s]}\n\n' % (head, json.dumps(choice).encode()))
                     yield b"".join(written) if len(written) > 1 else written[0]  # one write for all that were ready
                 if body.include_usage:
-                    yield b'%s"choices": [], "usage": %s}\n\n' % (head, json.dumps(usage(list(latest.values()))).encode())
+                    counts = json.dumps(usage(list(latest.values()))).encode()
+                    yield b'%s"choices": [], "usage": %s}\n\n' % (head, counts)
                 yield b"data: [DONE]\n\n"
             finally:
                 await choices.aclose()  # a client that went away: abort what is unfinished
@@ -307,8 +308,8 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
 class _EventStream(Response):
     """A server-sent event stream, written a chunk at a time. One task waits for the client's
     disconnect and cancels the writer, whose chunks' generator then closes (aborting the request).
-    Starlette's StreamingResponse does the same in an anyio task group, which took a third of the
-    event loop's time per request outside the engine (docs/serve.md)."""
+    Starlette's StreamingResponse does the same in an anyio task group, which cost the event loop
+    more per request (docs/serve.md, "the server's Python per request")."""
 
     media_type = "text/event-stream"
 
