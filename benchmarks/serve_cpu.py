@@ -77,19 +77,19 @@ def main() -> None:
     app = create_app(args.engine, model="m", load_before_serving=True)
     rng = np.random.default_rng(0)
 
-    async def timed(one, count: int, n: int) -> float:
-        prompts = [rng.integers(3, vocab, args.prompt).tolist() for _ in range(count)]
-        start = time.thread_time()
-        for prompt in prompts:
-            await one(prompt, n)
-        return (time.thread_time() - start) / count
-
     async def run():
-        nonlocal vocab
         async with app.router.lifespan_context(app):
             llm = app.state.server.engine  # the server's own AsyncLLM: one engine, one loop for both sides
             vocab = llm.llm.engine.spec.vocab_size
             n = min(args.tokens, llm.llm.max_context - args.prompt)
+
+            async def timed(one, count: int, tokens: int) -> float:
+                prompts = [rng.integers(3, vocab, args.prompt).tolist() for _ in range(count)]
+                start = time.thread_time()
+                for prompt in prompts:
+                    await one(prompt, tokens)
+                return (time.thread_time() - start) / count
+
             sides = {"llmc serve's app": lambda p, k: _through_app(app, p, k),
                      "AsyncLLM in-process": lambda p, k: _in_process(llm, p, k)}
             for one in sides.values():  # warm
@@ -108,7 +108,6 @@ def main() -> None:
                       f"{max(per_request) * 1e3:.3f}] {r / base[0]:.2f}x;  per token of {n}-token streams "
                       f"{t * 1e3:6.4f} [{min(per_token) * 1e3:.4f}..{max(per_token) * 1e3:.4f}] {t / base[1]:.2f}x")
 
-    vocab = 0
     uvloop.run(run())
 
 

@@ -225,10 +225,7 @@ class RequestStream:
     def ready(self) -> list[RequestOutput]:
         """The snapshots already queued, taken without waiting: what a consumer that fell behind
         can hand on together (a server writes them to its socket at once)."""
-        queue = self._stream.queue
-        if self._done or queue.empty():  # the usual case: the consumer keeps up
-            return []
-        outs = []
+        queue, outs = self._stream.queue, []
         while not self._done and not queue.empty():
             out = queue.get_nowait()
             self._done = out.finished

@@ -104,8 +104,7 @@ class _Server:
             stream = streams[0]
             try:
                 async for out in stream:
-                    more = stream.ready()
-                    yield [(0, out), *((0, m) for m in more)] if more else [(0, out)]
+                    yield [(0, out), *((0, more) for more in stream.ready())]
             finally:
                 await stream.aclose()
             return
@@ -257,7 +256,7 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
                             choice = {"index": index, "text": out.delta, "logprobs": logprobs, "finish_reason": finish}
                         first[index] = False
                         written.append(b'%s"choices": [%s]}\n\n' % (head, json.dumps(choice).encode()))
-                    yield b"".join(written) if len(written) > 1 else written[0]  # one write for all that were ready
+                    yield b"".join(written)  # one write for all that were ready
                 if body.include_usage:
                     counts = json.dumps(usage(list(latest.values()))).encode()
                     yield b'%s"choices": [], "usage": %s}\n\n' % (head, counts)
