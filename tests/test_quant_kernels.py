@@ -66,8 +66,8 @@ def _tolerance(x, q, scale, zp, block):
 @pytest.mark.parametrize("asymmetric", [False, True], ids=["sym", "asym"])
 @pytest.mark.parametrize("block", [32, 64, 128])
 def test_quantized_matmul_matches_the_reference(bits, asymmetric, block):
-    """Every row count of a tile (1 to 4 a pass) and ones split into passes (7, 13, a prefill's),
-    and a partial last panel (n = 70)."""
+    """Every row count of a tile (1 to 8 a pass) and ones split into passes (13 and 16: 8-row
+    passes; 24 and a prefill's 128: 4-row passes), and a partial last panel (n = 70)."""
     rng = np.random.default_rng(bits * 1000 + block + asymmetric)
     k, n = 2 * block if block < 128 else 128, 70
     q, scale, zp = _quantized(rng, k, n, bits, block, asymmetric)
@@ -75,7 +75,7 @@ def test_quantized_matmul_matches_the_reference(bits, asymmetric, block):
     assert blob.dtype == np.uint8 and blob.size == quant.quantized_bytes(k, n, bits, block, asymmetric)
     fmt = f"int{bits}"
     sess = _session("PackedMatMul", ["x", "w"], ["y"], fmt, n=n, **_attrs(fmt, block, zp))
-    for rows in (1, 2, 3, 4, 7, 13, 128):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 24, 128):
         x = rng.standard_normal((1, rows, k), dtype=np.float32)
         x[0, 0, :block] = 0.0  # a zero block: sx = 0
         x[0, -1, 3] = 40.0     # an outlier

@@ -38,7 +38,13 @@
 #endif
 #define HALF_AHEAD 8192     /* the 16-bit tile's: half the fp32 tile's 16 KB, the same k steps ahead */
 #define ONE_PASS_ROWS 2     /* rows per tile: more rows take another pass over the panel, from cache */
-#define VNNI_ROWS 4 /* the VNNI tile's: 5 to 8 rows a pass measured no faster than 4 and the rest */
+/* The VNNI tile's rows a pass. Up to FEW_ROWS rows (decode batches, a speculative step's k + 1)
+ * the weights stream from memory, and a pass of 8 rows serves twice the rows of a pass of 4 per
+ * load; from 24 rows on (prefill) the 8-row tile, whose 32 accumulators do not fit the registers
+ * beside the weights, ran slower than two passes of 4 (docs/quantization.md). */
+#define VNNI_ROWS 4
+#define VNNI_FEW_ROWS 8
+#define FEW_ROWS 16
 
 static int64_t group_bytes(int bits) { return (bits == 8 ? 4 : bits == 6 ? 3 : 2) * LLMC_PANEL; }
 /* What a symmetric format stores each q plus, so the kernel's weight operand is unsigned. */
@@ -547,12 +553,24 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
 }
 
 QUANT_FORMATS(_vnni, vnni_tile, VNNI, VNNI_ROWS)
+/* In a section of their own: compiled in among the others, the few-rows tiles moved the 4-row
+ * tile's loops to other offsets within their cache lines, and that alone made int4 products of
+ * prefill's size 5-7% slower (docs/quantization.md). */
+#ifdef __ELF__
+#define VNNI_FEW VNNI __attribute__((section(".text.llmc_few_rows")))
+#else
+#define VNNI_FEW VNNI
+#endif
+QUANT_FORMATS(_vnni_few, vnni_tile, VNNI_FEW, VNNI_FEW_ROWS)
 
-/* Each format's panels by [VNNI or AVX2][int4, int6, int8][symmetric, asymmetric]. */
+/* Each format's panels by [AVX2, VNNI, VNNI for at most FEW_ROWS rows][int4, int6, int8]
+ * [symmetric, asymmetric]. */
 typedef void (*quant_panels_fn)(const llmc_qact *, const uint8_t *, float *, int64_t, int64_t, int64_t);
-static const quant_panels_fn QUANT_PANELS_BY[2][3][2] = {
+static const quant_panels_fn QUANT_PANELS_BY[3][3][2] = {
     {{int4_sym, int4_asym}, {int6_sym, int6_asym}, {int8_sym, int8_asym}},
     {{int4_sym_vnni, int4_asym_vnni}, {int6_sym_vnni, int6_asym_vnni}, {int8_sym_vnni, int8_asym_vnni}},
+    {{int4_sym_vnni_few, int4_asym_vnni_few}, {int6_sym_vnni_few, int6_asym_vnni_few},
+     {int8_sym_vnni_few, int8_asym_vnni_few}},
 };
 
 /* Rows [0, R) of x times one 16-bit panel: the fp32 tile with a conversion after each load. */
@@ -634,7 +652,8 @@ void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n
      * at times (docs/quantization.md), so it takes VNNI from 3 rows. */
     const int vnni = llmc_vnni() && (bits != 8 || a->m > ONE_PASS_ROWS);
     if (vnni || llmc_avx2()) {
-        QUANT_PANELS_BY[vnni][(bits - 4) / 2][zero_points != 0](a, w, y, n, p0, p1);
+        const int tile = vnni ? (a->m <= FEW_ROWS ? 2 : 1) : 0;
+        QUANT_PANELS_BY[tile][(bits - 4) / 2][zero_points != 0](a, w, y, n, p0, p1);
         return;
     }
 #endif
