@@ -273,11 +273,8 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
         async for ready in choices:
             finals.update((index, out) for index, out in ready if out.finished)
 
-    async def client_gone():  # the body is read: what comes next is the disconnect, when it comes
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watch = asyncio.create_task(collect()), asyncio.create_task(client_gone())
+    # The body is read: what the request receives next is the disconnect, when it comes.
+    task, watch = asyncio.create_task(collect()), asyncio.create_task(_disconnected(request.receive))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         for t in (task, watch):
@@ -304,6 +301,12 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
             "usage": usage(list(finals.values()))}
 
 
+async def _disconnected(receive) -> None:
+    """Returns once the ASGI connection reports that its client went away."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 class _EventStream(Response):
     """A server-sent event stream, written a chunk at a time. One task waits for the client's
     disconnect and cancels the writer, whose chunks' generator then closes (aborting the request).
@@ -321,8 +324,7 @@ class _EventStream(Response):
 
         async def watch() -> None:
             nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            await _disconnected(receive)
             gone = True
             if streaming:  # the writer waits inside the stream: the cancellation lands there
                 writer.cancel()
