@@ -24,7 +24,10 @@ Prompts are distinct random token ids, so nothing hits the prefix cache. Every s
 greedily: the API's default temperature (1) would add a sampling pass over the vocabulary per
 token to the HTTP sides only.
 It also prints the batch-1 sse side's CPU a token (Linux: the loop thread's /proc schedstat): what
-the server's event loop and the client take from the cores ONNX Runtime's threads use.
+the server's event loop and the client take from the cores ONNX Runtime's threads use; and each
+HTTP side's batch-1 TTFT and TPOT as the server's engine timed them (its /metrics histograms, a
+token at its step's end), beside the in-process engine's: where those two agree with the callers'
+ratios, HTTP costs the engine's steps (CPU taken from them), not the tokens' way to the client.
 """
 
 from __future__ import annotations
@@ -163,6 +166,17 @@ def _http(url: str, client: str, prompts, n, spacing: float | None):
             sock.close()
 
 
+def _served(url: str) -> tuple[float, float, float]:
+    """The server's TTFT and TPOT histograms' sums (seconds) and the requests they count."""
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+
+    def value(name: str) -> float:
+        return float(re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)[1])
+
+    return (value("vllm:time_to_first_token_seconds_sum"), value("vllm:request_time_per_output_token_seconds_sum"),
+            value("vllm:request_time_per_output_token_seconds_count"))
+
+
 def _schedstat(pid: int) -> tuple[int, int]:
     """A process's main thread's ns on a CPU and ns runnable but waiting for one (Linux's /proc)."""
     run_ns, wait_ns, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
@@ -224,6 +238,7 @@ def main() -> None:
 
         loads = ((None, args.requests), (0.0, args.concurrency), (args.spacing / 1e3, args.concurrency))
         runs = {(name, spacing): [] for name in SIDES for spacing, _ in loads}
+        served = {c: [] for c in CLIENTS}  # (TTFT, TPOT) as the server's engine timed each batch-1 load
         cpu = []  # the batch-1 sse side's CPU a token, per round
         for client in CLIENTS:  # warm every side
             _http(url, client, prompts(2), args.new, None)
@@ -237,9 +252,14 @@ def main() -> None:
                     time.sleep(0.2)  # the other side's idle threads park
                     ps, watched = prompts(k), name == "http sse" and spacing is None
                     before = (_schedstat(server.pid), time.process_time()) if watched else None
+                    counted = _served(url) if name.startswith("http") and spacing is None else None
                     runs[name, spacing] += run(ps)
                     if watched:
                         cpu.append(_cpu_spent(server.pid, *before, tokens=k * args.new))
+                    if counted:
+                        while (now := _served(url))[2] < counted[2] + k:  # the last request is counted as it ends
+                            time.sleep(0.01)
+                        served[name[5:]].append([(a - b) / k for a, b in zip(now[:2], counted[:2])])
     finally:
         conn.send(None)
         server.terminate()
@@ -257,6 +277,12 @@ def main() -> None:
         ttft, tpot = mean([r[0] for r in rs]), mean([r[1] for r in rs])
         print(f"  {name:>12} TTFT {ttft:7.3f}  TPOT {tpot:7.3f}   {ttft / mean([r[0] for r in base]):.3f}x"
               f"  {tpot / mean([r[1] for r in base]):.3f}x")
+    engine = runs["in-process engine", None]
+    for client, sums in served.items():
+        ttft, tpot = (statistics.mean(s[i] for s in sums) * 1e3 for i in range(2))
+        print(f"  {'server of ' + client:>12} TTFT {ttft:7.3f}  TPOT {tpot:7.3f}   {ttft / mean([r[0] for r in base]):.3f}x"
+              f"  {tpot / mean([r[1] for r in base]):.3f}x   (/ in-process engine {ttft / mean([r[0] for r in engine]):.3f}x"
+              f"  {tpot / mean([r[1] for r in engine]):.3f}x)")
     if cpu:
         loop, loop_wait, client = (mean([c[i] for c in cpu]) for i in range(3))
         print(f"  http sse, a token's share of the side's CPU (requests and prefills included): server's event "
