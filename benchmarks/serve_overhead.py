@@ -251,8 +251,8 @@ def main() -> None:
                 for name, run in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
                     time.sleep(0.2)  # the other side's idle threads park
                     ps, watched = prompts(k), name == "http sse" and spacing is None
-                    before = (_schedstat(server.pid), time.process_time()) if watched else None
                     counted = _served(url) if name.startswith("http") and spacing is None else None
+                    before = (_schedstat(server.pid), time.process_time()) if watched else None
                     runs[name, spacing] += run(ps)
                     if watched:
                         cpu.append(_cpu_spent(server.pid, *before, tokens=k * args.new))
