@@ -14,7 +14,9 @@ arrival = add_request, a token's time = its step's end, before it reaches any ca
   with blocking recv calls; opened before the timing starts, as a client's pool holds them) that
   json-decode each event. The server's overhead, with the least client CPU on the cores the
   server shares here (a client on another machine takes none): half an asyncio reader's.
-Each round runs three loads, each on every side in turn (order rotating per round): batch 1 (one
+Each round starts the server and the in-process worker afresh (a process's memory placement is
+worth a few percent of its step times) and runs three loads, each on every side in turn (order
+rotating per round): batch 1 (one
 request at a time, --requests of them), --concurrency streams sent at once, and as many sent
 --spacing ms apart. "At once" is one loop tick in-process, where the engine's first step takes
 several prompts, but over HTTP the server parses the requests one by one and the first often
@@ -190,6 +192,52 @@ def _cpu_spent(pid: int, before: tuple[int, int], client_before: float, tokens: 
     return run_ns / 1e9 / tokens, wait_ns / 1e9 / tokens, (time.process_time() - client_before) / tokens
 
 
+class _Sides:
+    """One round's processes: `llmc serve` and the in-process worker, started afresh. A process's
+    memory placement alone moves its step times by a few percent (three identical in-process
+    workers measured 0.973-1.018x of each other in one interleaved run), so a run that kept its
+    two processes would carry their luck in every ratio; new ones each round average it out."""
+
+    def __init__(self, engine: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.engine, self.url = engine, f"http://127.0.0.1:{port}"
+        self.server = subprocess.Popen([sys.executable, "-m", "llmc.cli", "serve", engine, "--port", str(port),
+                                        "--model", "m"], stderr=subprocess.DEVNULL)
+        self.conn, child = multiprocessing.get_context("spawn").Pipe()
+        self.worker = multiprocessing.get_context("spawn").Process(target=_in_process, args=(child, engine),
+                                                                   daemon=True)
+        self.worker.start()
+
+    def __enter__(self) -> "_Sides":
+        try:
+            while True:
+                try:
+                    urllib.request.urlopen(self.url + "/health", timeout=1)
+                    break
+                except OSError:
+                    if self.server.poll() is not None:
+                        raise SystemExit(f"llmc serve {self.engine} exited with {self.server.returncode}")
+                    time.sleep(0.2)
+            assert self.conn.recv() == "ready"
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def local(self, prompts, n, spacing):
+        self.conn.send((prompts, n, spacing))
+        return self.conn.recv()
+
+    def __exit__(self, *exc) -> None:
+        if self.worker.is_alive():
+            self.conn.send(None)
+            self.worker.join(10)
+        self.server.terminate()
+        self.server.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engine", required=True)
@@ -202,68 +250,44 @@ def main() -> None:
                     help="ms between the concurrent streams' requests in the spaced load")
     args = ap.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "llmc.cli", "serve", args.engine, "--port", str(port),
-                               "--model", "m"], stderr=subprocess.DEVNULL)
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    worker = ctx.Process(target=_in_process, args=(child, args.engine), daemon=True)
-    worker.start()
-    try:
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                if server.poll() is not None:
-                    raise SystemExit(f"llmc serve {args.engine} exited with {server.returncode}")
-                time.sleep(0.2)
-        assert conn.recv() == "ready"
-        from llmc.runtime.llm import LLM
+    from llmc.runtime.llm import LLM
 
-        vocab = LLM(args.engine).engine.spec.vocab_size
-        rng = np.random.default_rng(0)
+    vocab = LLM(args.engine).engine.spec.vocab_size
+    rng = np.random.default_rng(0)
 
-        def prompts(k):
-            return [rng.integers(3, vocab, args.prompt).tolist() for _ in range(k)]
+    def prompts(k):
+        return [rng.integers(3, vocab, args.prompt).tolist() for _ in range(k)]
 
-        def local(ps, spacing):  # caller-timed, and the engine's metrics of the same requests
-            conn.send((ps, args.new, spacing))
-            pairs = conn.recv()
-            runs["in-process engine", spacing] += [engine for _, engine in pairs]
-            return [caller for caller, _ in pairs]
+    loads = ((None, args.requests), (0.0, args.concurrency), (args.spacing / 1e3, args.concurrency))
+    runs = {(name, spacing): [] for name in SIDES for spacing, _ in loads}
+    served = {c: [] for c in CLIENTS}  # (TTFT, TPOT) as the server's engine timed each batch-1 load
+    cpu = []  # the batch-1 sse side's CPU a token, per round
+    for rnd in range(args.rounds):
+        with _Sides(args.engine) as sides:
+            def local(ps, spacing):  # caller-timed, and the engine's metrics of the same requests
+                pairs = sides.local(ps, args.new, spacing)
+                runs["in-process engine", spacing] += [engine for _, engine in pairs]
+                return [caller for caller, _ in pairs]
 
-        loads = ((None, args.requests), (0.0, args.concurrency), (args.spacing / 1e3, args.concurrency))
-        runs = {(name, spacing): [] for name in SIDES for spacing, _ in loads}
-        served = {c: [] for c in CLIENTS}  # (TTFT, TPOT) as the server's engine timed each batch-1 load
-        cpu = []  # the batch-1 sse side's CPU a token, per round
-        for client in CLIENTS:  # warm every side
-            _http(url, client, prompts(2), args.new, None)
-        local(prompts(2), None)
-        runs["in-process engine", None].clear()
-        for rnd in range(args.rounds):
+            url, pid = sides.url, sides.server.pid
+            for client in CLIENTS:  # warm every side
+                _http(url, client, prompts(2), args.new, None)
+            sides.local(prompts(2), args.new, None)
             for spacing, k in loads:
-                sides = [("in-process", lambda ps: local(ps, spacing))]
-                sides += [(f"http {c}", lambda ps, c=c: _http(url, c, ps, args.new, spacing)) for c in CLIENTS]
-                for name, run in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
+                order = [("in-process", lambda ps: local(ps, spacing))]
+                order += [(f"http {c}", lambda ps, c=c: _http(url, c, ps, args.new, spacing)) for c in CLIENTS]
+                for name, run in order[rnd % len(order):] + order[:rnd % len(order)]:
                     time.sleep(0.2)  # the other side's idle threads park
                     ps, watched = prompts(k), name == "http sse" and spacing is None
                     counted = _served(url) if name.startswith("http") and spacing is None else None
-                    before = (_schedstat(server.pid), time.process_time()) if watched else None
+                    before = (_schedstat(pid), time.process_time()) if watched else None
                     runs[name, spacing] += run(ps)
                     if watched:
-                        cpu.append(_cpu_spent(server.pid, *before, tokens=k * args.new))
+                        cpu.append(_cpu_spent(pid, *before, tokens=k * args.new))
                     if counted:
                         while (now := _served(url))[2] < counted[2] + k:  # the last request is counted as it ends
                             time.sleep(0.01)
                         served[name[5:]].append([(a - b) / k for a, b in zip(now[:2], counted[:2])])
-    finally:
-        conn.send(None)
-        server.terminate()
-        server.wait()
 
     def mean(xs):
         return statistics.mean(xs) * 1e3
