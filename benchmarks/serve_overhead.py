@@ -194,9 +194,9 @@ def _cpu_spent(pid: int, before: tuple[int, int], client_before: float, tokens: 
 
 class _Sides:
     """One round's processes: `llmc serve` and the in-process worker, started afresh. A process's
-    memory placement alone moves its step times by a few percent (three identical in-process
-    workers measured 0.973-1.018x of each other in one interleaved run), so a run that kept its
-    two processes would carry their luck in every ratio; new ones each round average it out."""
+    memory placement alone moves its step times by a few percent (docs/serve.md), so a run that
+    kept its two processes would carry their draw in every ratio; new ones each round average it
+    out."""
 
     def __init__(self, engine: str):
         with socket.socket() as s:
@@ -205,9 +205,9 @@ class _Sides:
         self.engine, self.url = engine, f"http://127.0.0.1:{port}"
         self.server = subprocess.Popen([sys.executable, "-m", "llmc.cli", "serve", engine, "--port", str(port),
                                         "--model", "m"], stderr=subprocess.DEVNULL)
-        self.conn, child = multiprocessing.get_context("spawn").Pipe()
-        self.worker = multiprocessing.get_context("spawn").Process(target=_in_process, args=(child, engine),
-                                                                   daemon=True)
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.worker = ctx.Process(target=_in_process, args=(child, engine), daemon=True)
         self.worker.start()
 
     def __enter__(self) -> "_Sides":
@@ -250,9 +250,9 @@ def main() -> None:
                     help="ms between the concurrent streams' requests in the spaced load")
     args = ap.parse_args()
 
-    from llmc.runtime.llm import LLM
+    from llmc.contract.engine_dir import open_engine
 
-    vocab = LLM(args.engine).engine.spec.vocab_size
+    vocab = open_engine(args.engine, verify_checksums=False).manifest.model_spec.vocab_size
     rng = np.random.default_rng(0)
 
     def prompts(k):
