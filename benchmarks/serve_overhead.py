@@ -287,7 +287,7 @@ def main() -> None:
                     if counted:
                         while (now := _served(url))[2] < counted[2] + k:  # the last request is counted as it ends
                             time.sleep(0.01)
-                        served[name[5:]].append([(a - b) / k for a, b in zip(now[:2], counted[:2])])
+                        served[name.removeprefix("http ")].append([(a - b) / k for a, b in zip(now[:2], counted[:2])])
 
     def mean(xs):
         return statistics.mean(xs) * 1e3

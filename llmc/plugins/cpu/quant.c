@@ -563,8 +563,8 @@ QUANT_FORMATS(_vnni, vnni_tile, VNNI, VNNI_ROWS)
 #endif
 QUANT_FORMATS(_vnni_few, vnni_tile, VNNI_FEW, VNNI_FEW_ROWS)
 
-/* Each format's panels by [AVX2, VNNI, VNNI for at most FEW_ROWS rows][int4, int6, int8]
- * [symmetric, asymmetric]. */
+/* Each format's panels by [tile][int4, int6, int8][symmetric, asymmetric]. */
+enum { TILE_AVX2, TILE_VNNI, TILE_VNNI_FEW /* at most FEW_ROWS rows */ };
 typedef void (*quant_panels_fn)(const llmc_qact *, const uint8_t *, float *, int64_t, int64_t, int64_t);
 static const quant_panels_fn QUANT_PANELS_BY[3][3][2] = {
     {{int4_sym, int4_asym}, {int6_sym, int6_asym}, {int8_sym, int8_asym}},
@@ -652,7 +652,7 @@ void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n
      * at times (docs/quantization.md), so it takes VNNI from 3 rows. */
     const int vnni = llmc_vnni() && (bits != 8 || a->m > ONE_PASS_ROWS);
     if (vnni || llmc_avx2()) {
-        const int tile = vnni ? (a->m <= FEW_ROWS ? 2 : 1) : 0;
+        const int tile = !vnni ? TILE_AVX2 : a->m <= FEW_ROWS ? TILE_VNNI_FEW : TILE_VNNI;
         QUANT_PANELS_BY[tile][(bits - 4) / 2][zero_points != 0](a, w, y, n, p0, p1);
         return;
     }
