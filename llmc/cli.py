@@ -60,7 +60,8 @@ def main():
               help="rtn: round to nearest; search: per-block scale search (data-free); awq: activation-aware, "
                    "calibrated on --calibrate.")
 @click.option("--calibrate", default=None, metavar="FILE",
-              help="Text for --quant-method awq's activation statistics [default: the held-out corpus].")
+              help="Text for --quant-method awq's activation statistics [default: the held-out corpus] and "
+                   "--draft-vocab's token counts [default: the corpus' training split].")
 @click.option("--lm-head", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16|int8|int6|int4",
               help="The LM head's format (auto: int6 in an int4 build, int8 in an int8 one, else --weight-dtype).")
 @click.option("--embedding", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16|int8",
@@ -75,9 +76,13 @@ def main():
                    "(needs TensorRT and a GPU: pip install 'llmc[trt]').")
 @click.option("--precision", default="auto", show_default=True, metavar="auto|fp16|bf16",
               help="What a TensorRT engine computes in [auto: fp16]; the CPU backend computes in fp32.")
+@click.option("--draft-vocab", type=int, default=None, metavar="N",
+              help="Build a speculative draft whose LM head scores only the N most frequent tokens (in "
+                   "--calibrate's text): cheaper proposals, verified by the target as any others. Such an "
+                   "engine only serves as --speculative.")
 def build(model, output, block_size, max_context, disable_passes, list_passes, verify, dump_ir, overwrite,
           explain, lossless_weights, quant, quant_block_size, asymmetric, quant_method, calibrate, lm_head, embedding,
-          weight_dtype, kv_cache_dtype, backend, precision):
+          weight_dtype, kv_cache_dtype, backend, precision, draft_vocab):
     """Compile MODEL (a recipe name, a local HF folder or a hub id) into an engine."""
     from llmc.contract.options import BuildOptions
 
@@ -86,7 +91,7 @@ def build(model, output, block_size, max_context, disable_passes, list_passes, v
                            quant_block_size=quant_block_size, quant_symmetric=not asymmetric,
                            quant_method=quant_method, calibrate=calibrate, lm_head=lm_head, embedding=embedding,
                            weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, backend=backend,
-                           precision=precision)
+                           precision=precision, draft_vocab=draft_vocab)
     if list_passes:
         from llmc.passes.pipeline import phases
 

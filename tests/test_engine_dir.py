@@ -13,7 +13,7 @@ from typing import Any, Callable
 import pytest
 
 from llmc.contract import engine_dir
-from llmc.contract.codec import ContractError, from_json, to_json
+from llmc.contract.codec import ADDED, ContractError, from_json, to_json
 from llmc.contract.engine_dir import MANIFEST, EngineWriter, open_engine
 from llmc.contract.graph_io import GraphIO
 from llmc.contract.manifest import (SCHEMA_VERSION, Backend, FileEntry, KVCache, Manifest, PassRecord, Payload,
@@ -272,11 +272,22 @@ def test_older_schema_says_rebuild(engine: Path) -> None:
     assert f"schema {SCHEMA_VERSION - 1}" in msg and "rebuild it with `llmc build`" in msg
 
 
-@pytest.mark.parametrize("key", [f.name for f in dataclasses.fields(Manifest)])
+@pytest.mark.parametrize("key", [f.name for f in dataclasses.fields(Manifest) if ADDED not in f.metadata])
 def test_missing_key(engine: Path, key: str) -> None:
     rewrite_manifest(engine, lambda d: d.pop(key))
     msg = engine_error(engine)
     assert "corrupt manifest" in msg and key in msg
+
+
+def test_a_key_added_to_the_schema_may_be_missing(engine: Path) -> None:
+    rewrite_manifest(engine, lambda d: d.pop("lm_head_tokens"))
+    assert open_engine(engine).manifest.lm_head_tokens is None
+
+
+@pytest.mark.parametrize("tokens", [[], [5, 3], [2, 2], [-1, 4], [0, 10**6]])
+def test_draft_head_tokens_must_be_ascending_ids_in_the_vocabulary(engine: Path, tokens) -> None:
+    rewrite_manifest(engine, lambda d: d.update(lm_head_tokens=tokens))
+    assert "lm_head_tokens: expected ascending token ids below model_spec.vocab_size" in engine_error(engine)
 
 
 def test_listed_file_missing(engine: Path) -> None:

@@ -72,6 +72,8 @@ def test_the_pipeline_is_one_phased_list_built_from_the_options():
     ]
     quantized = [(ph.name, [p.name for p in ph.passes]) for ph in phases(BuildOptions(quant="int4"))]
     assert quantized[2] == ("quantize", ["quantize-weights"])
+    draft = [(ph.name, [p.name for p in ph.passes]) for ph in phases(BuildOptions(draft_vocab=64))]
+    assert draft[1] == ("fuse", ["merge-matmuls", "draft-vocab"])
     names = [p.name for p in pipeline(BuildOptions(lossless_weights=True, disable_passes=("cleanup",)))]
     assert names == [n for n in DEFAULT_PASSES if n not in ("cleanup", "greedy-tokens", "decoder-layers")] + [
         "lossless-weights", "greedy-tokens", "decoder-layers"]

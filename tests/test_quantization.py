@@ -68,7 +68,8 @@ def test_an_all_zero_block_stays_zero():
     (dict(kv_cache_dtype="int2"), "--kv-cache-dtype must be one of auto, fp32, fp16, bf16, int8"),
     (dict(weight_dtype="int8"), "--weight-dtype must be one of fp32, bf16, fp16"),
     (dict(quant="int4", quant_method="gptq"), "--quant-method must be one of rtn, search, awq"),
-    (dict(quant="int8", calibrate="x.txt"), "--calibrate is read by --quant-method awq only"),
+    (dict(quant="int8", calibrate="x.txt"), "--calibrate is read by --quant-method awq and --draft-vocab only"),
+    (dict(draft_vocab=0), "--draft-vocab must be a token count >= 1"),
     (dict(quant="int4", embedding="int4"), "--embedding must be one of auto, fp32, bf16, fp16, int8"),
 ])
 def test_bad_quantization_options_are_one_line_errors(options, message):
@@ -102,6 +103,8 @@ def test_the_kv_cache_is_fp16_by_default_where_weights_are_reduced():
      "--calibrate /nope.txt: no such file; give a text file (UTF-8)"),
     (["--kv-cache-dtype", "int8", "--disable-pass", "cpu-kernels"],
      "--kv-cache-dtype int8 needs the cpu-kernels pass; do not disable it, or drop --kv-cache-dtype"),
+    (["--draft-vocab", "99999"],
+     "--draft-vocab 99999 keeps the whole vocabulary (1024 tokens); give fewer, or drop --draft-vocab"),
 ])
 def test_options_the_model_cannot_honour_are_refused_before_export(tmp_path, flags, line):
     result = CliRunner().invoke(main, ["build", "tiny-llama", "-o", str(tmp_path / "e"), *flags])

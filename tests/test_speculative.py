@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from llmc.errors import LlmcError, RequestError
+from llmc.runtime.engine import Row
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.llm import LLM
 from llmc.runtime.request import Request
@@ -24,6 +25,12 @@ REPETITIVE = "        self.assertEqual("
 @pytest.fixture(scope="module")
 def code_engines(engines):
     return engines("code-small"), engines("code-draft")
+
+
+@pytest.fixture(scope="module")
+def narrow_draft(engines):
+    """code-draft whose LM head scores only the 512 most frequent tokens (--draft-vocab)."""
+    return engines("code-draft", draft_vocab=512)
 
 
 def _mixed_workload(llm: LLM):
@@ -70,10 +77,10 @@ def _run_in_flight(llm: LLM, prompts, params):
     return [outputs[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_greedy_speculation_in_flight_matches_plain_decoding(code_engines, proposer):
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "draft-vocab"])
+def test_greedy_speculation_in_flight_matches_plain_decoding(code_engines, narrow_draft, proposer):
     target, draft = code_engines
-    spec = "ngram" if proposer == "ngram" else str(draft)
+    spec = {"ngram": "ngram", "draft": str(draft), "draft-vocab": str(narrow_draft)}[proposer]
     plain_llm = LLM(target, enable_prefix_caching=False)
     prompts, params = _mixed_workload(plain_llm)
     plain = [plain_llm.generate(p, sp) for p, sp in zip(prompts, params)]
@@ -99,9 +106,50 @@ def test_greedy_speculation_in_flight_matches_plain_decoding(code_engines, propo
     assert any(o.prefix_hit_tokens > 0 for o in outs)
     assert llm.blocks.num_free == llm.blocks.capacity  # rolled-back and finished blocks all returned
     llm.blocks.check([])
-    if proposer == "draft":
+    if proposer != "ngram":
         blocks = llm.speculator.proposer.blocks
         assert blocks.num_free == blocks.capacity
+
+
+def test_a_narrow_draft_proposes_only_its_tokens_and_samples_losslessly(code_engines, narrow_draft):
+    from llmc.contract.engine_dir import open_engine
+
+    target, _ = code_engines
+    kept = open_engine(narrow_draft).manifest.lm_head_tokens
+    assert len(kept) == 512 and list(kept) == sorted(set(kept))
+    llm = LLM(target, speculative=str(narrow_draft), speculative_adaptive=False)
+    proposer = llm.speculator.proposer
+    assert proposer.engine.forward_rows([Row([5], 0, [1])]).shape == (1, 512)
+    proposed, widths = [], []
+    propose = proposer.propose
+
+    def spy(rows, ks):
+        propose(rows, ks)
+        for r in rows:
+            proposed.extend(r.proposal)
+            if r.proposal_probs is not None:
+                widths.append(r.proposal_probs.shape[1])
+                assert np.all(r.proposal_probs[:, np.setdiff1d(np.arange(r.proposal_probs.shape[1]), kept)] == 0)
+    proposer.propose = spy
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    first = llm.generate("def main():\n", params)
+    assert first.token_ids == llm.generate("def main():\n", params).token_ids and len(first.token_ids) == 30
+    assert proposed and set(proposed) <= set(kept)
+    assert widths and set(widths) == {llm.engine.spec.vocab_size}  # q over the target's whole vocabulary
+
+
+def test_a_draft_head_keeps_the_most_frequent_tokens_in_id_order():
+    from llmc.passes.draft_vocab import most_frequent
+
+    counts = np.array([5, 0, 9, 5, 1, 9])
+    assert most_frequent(counts, 3).tolist() == [0, 2, 5]  # 9, 9, then the lower id of the two 5s
+    assert most_frequent(counts, 1).tolist() == [2]
+
+
+def test_a_narrow_draft_cannot_serve_as_a_target(narrow_draft):
+    with pytest.raises(LlmcError, match="is a speculative draft.*512 of the 8192 tokens") as info:
+        LLM(narrow_draft)
+    assert "\n" not in str(info.value)
 
 
 def test_adaptive_speculation_matches_and_reports_metrics(code_engines):
@@ -183,15 +231,19 @@ def _wrong_rule(logits, proposed, q, params, rng):
 
 
 DRAFT_Q = np.array([[0.05, 0.05, 0.1, 0.1, 0.5, 0.2], [0.2, 0.5, 0.1, 0.1, 0.05, 0.05]])
+# A --draft-vocab draft's q: zero on the tokens its head does not score (0 and 3 here).
+NARROW_Q = np.array([[0.0, 0.1, 0.15, 0.0, 0.5, 0.25], [0.0, 0.6, 0.1, 0.0, 0.15, 0.15]])
+QS = pytest.mark.parametrize("q", [None, DRAFT_Q, NARROW_Q],
+                             ids=["certain-proposal", "draft-distribution", "narrow-draft-distribution"])
 
 
-@pytest.mark.parametrize("q", [None, DRAFT_Q], ids=["certain-proposal", "draft-distribution"])
+@QS
 def test_rejection_sampling_keeps_the_target_distribution(q):
     counts, p = _first_token_counts(verify, q)
     assert _chi2(counts, p) < CHI2_999[VOCAB - 1]
 
 
-@pytest.mark.parametrize("q", [None, DRAFT_Q], ids=["certain-proposal", "draft-distribution"])
+@QS
 def test_a_wrong_acceptance_rule_fails_the_same_test(q):
     counts, p = _first_token_counts(_wrong_rule, q)
     assert _chi2(counts, p) > CHI2_999[VOCAB - 1]
@@ -216,6 +268,8 @@ def test_greedy_verification_keeps_the_argmax_prefix():
     assert verify(logits, [2, 3, 1], None, greedy, rng) == [2, 3, 1, 0]  # all kept, then the bonus
     assert verify(logits, [2, 4, 1], None, greedy, rng) == [2, 3]  # corrected at the first miss
     assert verify(logits[:1], [], None, greedy, rng) == [2]
+    # The graph's argmax (Engine.greedy_tokens), where given, is what the proposals are held to.
+    assert verify(logits, [2, 3, 1], None, greedy, rng, np.array([2, 3, 4, 0])) == [2, 3, 4]
 
 
 # -- pieces ----------------------------------------------------------------------------------

@@ -69,3 +69,24 @@ def test_code_small_engine_generates_what_transformers_does(engines, hf_models):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
         assert out.token_ids == ref[0, len(ids):].tolist()
+
+
+def test_code_draft_proposes_what_code_small_decodes(hf_models):
+    """code-draft is distilled from code-small's greedy continuations (DISTILL in train_code.py):
+    teacher-forced on code-small's own decoding of held-out code, its argmax is code-small's
+    token most of the time, which is what a draft's proposals are kept for (docs/speculative.md)."""
+    if corpus.check_recorded() is not None:
+        pytest.skip(corpus.check_recorded())
+    from tokenizers import Tokenizer
+
+    target, folder = hf_models("code-small")
+    draft, _ = hf_models("code-draft")
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    agree = []
+    for text in corpus.read(corpus.files("heldout"))[:4]:
+        ids = tok.encode(text[len(text) // 3:]).ids[:64]
+        with torch.no_grad():
+            decoded = target.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
+            proposed = draft(decoded).logits[0, len(ids) - 1:-1].argmax(-1)
+        agree.append((proposed == decoded[0, len(ids):]).float().mean().item())
+    assert sum(agree) / len(agree) > 0.6, agree

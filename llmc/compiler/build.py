@@ -106,6 +106,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
     from llmc.compiler.frontend import load_hf_model, model_spec_from_config, read_config, resolve_model
     from llmc.compiler.tokenizer import export_tokenizer
     from llmc.passes.cpu_kernels import kernel_library_missing
+    from llmc.passes.draft_vocab import DraftVocab, kept_tokens
     from llmc.passes.manager import PassManager
     from llmc.passes.pipeline import pipeline
     from llmc.passes.quantize_weights import QuantizeWeights, records_of
@@ -171,12 +172,22 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
                     p.calibration = calibration
             stage("calibrate", t, f"{calibration.size} tokens of {source}")
 
+        if options.draft_vocab is not None and any(isinstance(p, DraftVocab) for p in passes):
+            t = time.perf_counter()
+            say("calibrate", "counting tokens for --draft-vocab", False)
+            tokens, source = draft_tokens(folder, options.calibrate, options.draft_vocab, spec.vocab_size)
+            for p in passes:
+                if isinstance(p, DraftVocab):
+                    p.tokens = tokens
+            stage("calibrate", t, f"the {len(tokens)} most frequent tokens of {source}")
+
         t = time.perf_counter()
         manager = PassManager(passes, verifier=verifier(spec, options.block_size) if options.verify else None,
                               dump_dir=dump_ir,
                               on_pass=lambda r: say("passes", f"{r.name}: {_counts_text(r.counts)}", True))
         records = manager.run(model, spec)
         io = _graph_io(model, spec)
+        head_tokens = kept_tokens(model)
         quantized = {name: QuantizedTensor(r["role"], r["format"], tuple(r["shape"]), round(r["relative_error"], 6))
                      for name, r in records_of(model).items()}
         if options.backend == "onnxruntime" and options.kv_cache_dtype != "fp32" and \
@@ -218,6 +229,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             generation_config=GENERATION_CONFIG,
             passes=tuple(records),
             quantization=_quantization(options, quantized, calibration is not None),
+            lm_head_tokens=head_tokens,
         ))
     return BuildResult(output, stages, peak_rss_mb(), manager.misses)
 
@@ -252,31 +264,61 @@ def _check_quantization(options: BuildOptions, spec: ModelSpec, passes) -> None:
                                 f"use {' or '.join(fits) if fits else 'no integer quantization for this model'}")
     if options.calibrate is not None and not Path(options.calibrate).is_file():
         raise LlmcError(f"--calibrate {options.calibrate}: no such file; give a text file (UTF-8)")
+    if options.draft_vocab is not None:
+        if options.draft_vocab >= spec.vocab_size:
+            raise LlmcError(f"--draft-vocab {options.draft_vocab} keeps the whole vocabulary ({spec.vocab_size} "
+                            "tokens); give fewer, or drop --draft-vocab")
+        if options.backend != "onnxruntime":
+            raise LlmcError("--draft-vocab builds a draft for llmc's CPU runtime; drop --draft-vocab or "
+                            f"--backend {options.backend}")
     if options.kv_cache_dtype != "fp32" and not any(p.name == "cpu-kernels" for p in passes):
         raise LlmcError(f"--kv-cache-dtype {options.kv_cache_dtype} needs the cpu-kernels pass; "
                         "do not disable it, or drop --kv-cache-dtype")
 
 
-def calibration_windows(folder: Path, text_file: str | None, max_context: int, tokens: int = 4096):
-    """Token windows [W, S] of calibration text: a file, or the held-out corpus; and what it was."""
-    import numpy as np
+def _calibration_text(folder: Path, text_file: str | None, split: str):
+    """(texts, what they are, the model's tokenizer): a file, or the corpus' `split`."""
     from transformers import AutoTokenizer
 
     if text_file is not None:
         path = Path(text_file)
-        text, source = path.read_text(encoding="utf-8", errors="replace"), str(path)
+        texts, source = [path.read_text(encoding="utf-8", errors="replace")], str(path)
     else:
         from llmc.bench import corpus
 
-        text, source = "\n".join(corpus.read(corpus.files("heldout"))), "the held-out corpus"
+        texts = corpus.read(corpus.files(split))
+        source = "the held-out corpus" if split == "heldout" else f"the corpus' {split} split"
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    tokenizer.model_max_length = 2**62  # the text is cut into windows below: no warning about its length
-    ids = tokenizer(text[:tokens * 16], add_special_tokens=False)["input_ids"][:tokens]
+    tokenizer.model_max_length = 2**62  # the text is counted or cut into windows: no warning about its length
+    return texts, source, tokenizer
+
+
+def calibration_windows(folder: Path, text_file: str | None, max_context: int, tokens: int = 4096):
+    """Token windows [W, S] of calibration text: a file, or the held-out corpus; and what it was."""
+    import numpy as np
+
+    texts, source, tokenizer = _calibration_text(folder, text_file, "heldout")
+    ids = tokenizer("\n".join(texts)[:tokens * 16], add_special_tokens=False)["input_ids"][:tokens]
     width = min(256, max_context)
     if len(ids) < width:
         raise LlmcError(f"--calibrate {source}: {len(ids)} tokens, fewer than one window of {width}; give more text")
     count = len(ids) // width
     return np.asarray(ids[:count * width], np.int64).reshape(count, width), source
+
+
+def draft_tokens(folder: Path, text_file: str | None, count: int, vocab_size: int):
+    """The `count` token ids most frequent in a file's text, or the corpus' training split (not the
+    held-out one the benchmarks prompt from), ascending; and what the text was."""
+    import numpy as np
+
+    from llmc.passes.draft_vocab import most_frequent
+
+    texts, source, tokenizer = _calibration_text(folder, text_file, "train")
+    counts = np.zeros(vocab_size, np.int64)
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids = np.asarray(ids, np.int64)
+        counts += np.bincount(ids[ids < vocab_size], minlength=vocab_size)
+    return most_frequent(counts, count), source
 
 
 def _quantization(options: BuildOptions, tensors: dict[str, QuantizedTensor], calibrated: bool) -> Quantization:

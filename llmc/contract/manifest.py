@@ -155,6 +155,9 @@ class Manifest:
     generation_config: str
     passes: tuple[PassRecord, ...]
     quantization: Quantization
+    # A draft's LM head columns (--draft-vocab, passes/draft_vocab.py): logits column j is token
+    # lm_head_tokens[j]; None: the whole vocabulary, column j is token j.
+    lm_head_tokens: tuple[int, ...] | None = added(None)
     # Filled in by EngineWriter.commit:
     files: dict[str, FileEntry] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -179,12 +182,22 @@ class Manifest:
         if self.max_context > self.model_spec.max_position_embeddings:
             raise ContractError(f"build_options.max_context {self.max_context} exceeds model_spec."
                                 f"max_position_embeddings {self.model_spec.max_position_embeddings}")
+        tokens = self.lm_head_tokens
+        if tokens is not None and (not tokens or tokens[0] < 0 or tokens[-1] >= self.model_spec.vocab_size
+                                   or any(a >= b for a, b in zip(tokens, tokens[1:]))):
+            raise ContractError(f"lm_head_tokens: expected ascending token ids below model_spec.vocab_size "
+                                f"{self.model_spec.vocab_size}")
         if self.io != GraphIO.paged(self.kv_cache.num_layers, self.io.greedy_tokens):
             raise ContractError(f"io: not the paged-attention interface of a {self.kv_cache.num_layers}-layer engine")
 
     @property
     def max_context(self) -> int:
         return self.build_options.max_context
+
+    @property
+    def logits_width(self) -> int:
+        """Columns of the graph's logits: the vocabulary, or a draft head's kept tokens."""
+        return self.model_spec.vocab_size if self.lm_head_tokens is None else len(self.lm_head_tokens)
 
     def role_files(self) -> dict[str, str | None]:
         """Every file the runtime opens, by what it is for (the EngineFiles field it fills); None
@@ -196,13 +209,14 @@ class Manifest:
     def graph_types(self) -> tuple[dict[str, TensorType], dict[str, TensorType]]:
         """The inputs and outputs the engine's graph must have, each fixed size labelled with the
         key it comes from, for graph_io.disagreement to hold the graph against."""
-        kv, vocab = self.kv_cache, self.model_spec.vocab_size
+        kv = self.kv_cache
         shape = kv.pool_shape(graph_io.NUM_BLOCKS)
         pool_keys = (None, None, "kv_cache.num_kv_heads", "kv_cache.block_size and head_dim") if len(shape) == 4 else \
             kv_layout.pool_shape(kv.layout, None, "kv_cache.block_size", "kv_cache.num_kv_heads", "kv_cache.head_dim")
         pool = TensorType(kv.numpy_dtype.name, shape, (None, *pool_keys[1:]))
         inputs = {name: TensorType(dtype, graph_io.STEP_SHAPES[name]) for name, dtype in graph_io.STEP_INPUTS.items()}
-        logits = TensorType("float32", (graph_io.NUM_LOGITS, vocab), (None, "model_spec.vocab_size"))
+        logits = TensorType("float32", (graph_io.NUM_LOGITS, self.logits_width),
+                            (None, "model_spec.vocab_size" if self.lm_head_tokens is None else "lm_head_tokens"))
         outputs = {graph_io.LOGITS: logits}
         for cache_in, cache_out in self.io.caches():
             inputs[cache_in] = outputs[cache_out] = pool

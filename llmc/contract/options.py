@@ -59,6 +59,9 @@ class BuildOptions:
     calibrate: str | None = None  # text file for --quant-method awq; None: the held-out corpus
     backend: str = added("onnxruntime")  # BACKENDS: ONNX Runtime on CPU, or TensorRT with llmc's plugin
     precision: str = added("auto")  # PRECISIONS; auto: fp32 for onnxruntime, fp16 for tensorrt
+    # A speculative draft's LM head over only this many tokens, the most frequent in the --calibrate
+    # text (default: the corpus' training split); None: the whole vocabulary.
+    draft_vocab: int | None = added(None)
 
     def __post_init__(self):
         _one_of("--quant", self.quant, ("none", *QUANT_BITS))
@@ -71,8 +74,12 @@ class BuildOptions:
         if self.quant_block_size not in QUANT_BLOCK_SIZES or isinstance(self.quant_block_size, bool):
             raise LlmcError(f"--quant-block-size must be one of {', '.join(map(str, QUANT_BLOCK_SIZES))} "
                             f"(got {self.quant_block_size!r})")
-        if self.calibrate is not None and self.quant_method != "awq":
-            raise LlmcError("--calibrate is read by --quant-method awq only; add it or drop --calibrate")
+        if self.calibrate is not None and self.quant_method != "awq" and self.draft_vocab is None:
+            raise LlmcError("--calibrate is read by --quant-method awq and --draft-vocab only; add one or drop "
+                            "--calibrate")
+        if self.draft_vocab is not None and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
+                                             or self.draft_vocab < 1):
+            raise LlmcError(f"--draft-vocab must be a token count >= 1 (got {self.draft_vocab!r})")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
                 or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise LlmcError(f"--block-size must be a power of two >= 1 (got {self.block_size})")

@@ -1,7 +1,7 @@
 """The pass pipeline, as one list in phases, built from the build's options.
 
     canonicalize      cleanup, native-gqa
-    fuse              merge-matmuls
+    fuse              merge-matmuls, draft-vocab (with --draft-vocab: the LM head's kept columns)
     quantize          quantize-weights (with --quant or --weight-dtype: DequantizeLinear/Cast -> MatMul)
     rewrite KV I/O    paged-kv-cache, logits-indices (the LM head on the step's chosen tokens)
     backend kernels   ort-fusions (ORT's), cpu-kernels (llmc's own), rotary-tables
@@ -30,6 +30,7 @@ from llmc.errors import LlmcError
 from llmc.passes.cleanup import Cleanup
 from llmc.passes.cpu_kernels import CPUKernels
 from llmc.passes.decoder_layers import DecoderLayers
+from llmc.passes.draft_vocab import DraftVocab
 from llmc.passes.greedy_tokens import GreedyTokens
 from llmc.passes.logits_indices import LogitsIndices
 from llmc.passes.lossless_weights import LosslessWeights
@@ -57,7 +58,7 @@ def phases(options: BuildOptions) -> list[Phase]:
     block = options.block_size
     common = [
         Phase("canonicalize", (Cleanup(), NativeGQA())),
-        Phase("fuse", (MergeMatMuls(),)),
+        Phase("fuse", (MergeMatMuls(),) + ((DraftVocab(),) if options.draft_vocab else ())),
         Phase("quantize", (QuantizeWeights(options),) if options.reduces_weights else ()),
         Phase("rewrite KV I/O", (PagedKVCache(block), LogitsIndices())),
     ]
@@ -78,7 +79,7 @@ def phases(options: BuildOptions) -> list[Phase]:
 def pipeline(options: BuildOptions) -> list[Pass]:
     """The passes a build with these options runs, in order; refuses a --disable-pass it cannot honour."""
     every = {p.name: p for backend in ("onnxruntime", "tensorrt")
-             for phase in phases(BuildOptions(lossless_weights=True, quant="int8", backend=backend))
+             for phase in phases(BuildOptions(lossless_weights=True, quant="int8", backend=backend, draft_vocab=1))
              for p in phase.passes}
     for name in options.disable_passes:
         if name not in every:

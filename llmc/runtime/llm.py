@@ -18,7 +18,7 @@ import numpy as np
 from llmc.contract.engine_dir import open_engine, read_eos_token_ids
 from llmc.contract.options import RuntimeOptions
 from llmc.contract.tuning import read_tuning
-from llmc.errors import RequestError, check_unicode, first_line
+from llmc.errors import EngineError, RequestError, check_unicode, first_line
 from llmc.runtime.engine import Row, load_engine
 from llmc.runtime.kv_cache import BlockManager, blocks_for
 from llmc.runtime.request import Request, RequestOutput
@@ -62,6 +62,10 @@ class LLM:
 
         given = RuntimeOptions.given(options)
         files = open_engine(engine_dir, verify_checksums=given.get("verify_checksums", True))
+        if (kept := files.manifest.lm_head_tokens) is not None:
+            raise EngineError(f"engine {files.root} is a speculative draft: its LM head scores {len(kept)} of the "
+                              f"{files.manifest.model_spec.vocab_size} tokens (--draft-vocab), so it cannot decode "
+                              f"alone; pass it as --speculative to a target built without --draft-vocab")
         tuned = read_tuning(files.tuning) if use_tuning and files.tuning is not None else None
         options, applied = RuntimeOptions.merge(given, tuned)
         self.tuning = applied if tuned is not None else None
@@ -344,12 +348,13 @@ class LLM:
         indices = np.concatenate([b * seq + (np.arange(n) if r.proposal else np.array([n - 1]))
                                   for b, (r, n) in enumerate(rows)])
         logits = self.engine.forward_rows(packed, seq, logits_indices=indices)
+        greedy = self.engine.greedy_tokens(logits)
         starts = np.cumsum([0] + spans)
         plain, updated = [], []
         for (r, n), start in zip(rows, starts):
             self.computed_tokens += n
             if r.proposal:
-                self._keep_verified(r, logits[start:start + n])
+                self._keep_verified(r, logits[start:start + n], None if greedy is None else greedy[start:start + n])
                 updated.append(r)
             else:
                 r.num_computed_tokens += n
@@ -359,10 +364,10 @@ class LLM:
             updated += self._sample([r for r, _ in plain], logits[[start for _, start in plain]])
         return updated
 
-    def _keep_verified(self, r: Request, logits: np.ndarray) -> None:
+    def _keep_verified(self, r: Request, logits: np.ndarray, greedy: np.ndarray | None) -> None:
         """Append what the target keeps of a row's proposal and roll its cache back to that."""
         proposed = r.proposal
-        tokens = verify(logits, proposed, r.proposal_probs, r.params, r.rng)
+        tokens = verify(logits, proposed, r.proposal_probs, r.params, r.rng, greedy)
         r.proposal, r.proposal_probs = [], None
         kept = len(tokens) - 1
         metrics = r.out.metrics

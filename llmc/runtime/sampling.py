@@ -234,7 +234,7 @@ def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 def verify(logits: np.ndarray, proposed: Sequence[int], proposal_probs: np.ndarray | None,
-           params: SamplingParams, rng: np.random.Generator) -> list[int]:
+           params: SamplingParams, rng: np.random.Generator, greedy: np.ndarray | None = None) -> list[int]:
     """The tokens a row keeps from a verification step: the accepted prefix of `proposed`, then one
     token of the target's own (the correction at the first rejection, or a bonus when all pass).
 
@@ -243,9 +243,10 @@ def verify(logits: np.ndarray, proposed: Sequence[int], proposal_probs: np.ndarr
     decoding gives. Sampled rows accept proposal x with probability min(1, p(x)/q(x)) and on a
     rejection draw from max(0, p - q) renormalized, which leaves the output distributed exactly
     as the target's p (Leviathan et al., 2023). `proposal_probs` [k, V] is the proposer's q per
-    position; None means each proposal was certain (q = 1 at x: n-gram lookup, greedy drafts)."""
+    position; None means each proposal was certain (q = 1 at x: n-gram lookup, greedy drafts).
+    `greedy` [k+1]: each logits row's argmax where the graph took it (Engine.greedy_tokens)."""
     if params.greedy:
-        target = np.argmax(logits, axis=-1)
+        target = np.argmax(logits, axis=-1) if greedy is None else greedy
         kept = []
         for x, t in zip(proposed, target):
             if x != t:

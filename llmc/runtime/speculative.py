@@ -42,11 +42,17 @@ PROBE_STEPS = 4  # decode steps of a measurement of another cap: short, since a 
 EPOCH_DECAY = 0.5  # weight of a cap's earlier epochs against its latest
 LOSS_BUDGET = 0.01  # the share of decoding time that measuring caps other than the best may lose
 PROBE_WAIT = 8  # decoding at the best cap between measurements, in multiples of the last one's time, at least
+# New tokens a draft row's first proposal call feeds itself: after a step that kept every proposal
+# there are two (the last proposal, never fed, and the target's token), and one call is cheaper
+# than a catch-up call and a proposal call.
+CATCH_UP = 2
 
 
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
     last n tokens (n from `max_n` down to `min_n`), from a per-request index of n-grams."""
+
+    prefill_seconds = 0.0  # nothing to catch up on (DraftProposer's)
 
     def __init__(self, min_n: int, max_n: int):
         self.sizes = range(max_n, min_n - 1, -1)
@@ -101,11 +107,17 @@ class DraftProposer:
         # One thread that never spins: the draft's and the target's sessions alternate every few
         # hundred microseconds, and two spinning pools on the same cores slow both (docs/speculative.md).
         self.engine = Engine(files, dataclasses.replace(options, num_threads=1, allow_spinning=False))
+        # A --draft-vocab head's logits column j is token head[j]; None: column j is token j.
+        kept = files.manifest.lm_head_tokens
+        self.head = None if kept is None else np.asarray(kept, np.int64)
+        self.vocab_size = target.spec.vocab_size
         self.blocks = BlockManager(self.engine.num_blocks, self.engine.block_size, enable_prefix_caching=False)
         self.chunk = options.chunk_size
         self._seqs: dict[str, _DraftSeq] = {}
+        self.prefill_seconds = 0.0  # the last propose's catch-up over new prompts (Speculator.step_done)
 
     def propose(self, rows: list[Request], ks: list[int]) -> None:
+        self.prefill_seconds = 0.0
         live = []
         for r, k in zip(rows, ks):
             r.proposal, r.proposal_probs = [], None
@@ -130,13 +142,21 @@ class DraftProposer:
                 else:
                     q = distribution(row, r.params)
                     token = sample_from(q, r.rng)
-                    probs[r.request_id].append(q)
+                    probs[r.request_id].append(q if self.head is None else self._widened(q))
+                if self.head is not None:
+                    token = int(self.head[token])
                 r.proposal.append(token)
                 if j + 1 < k:
                     s.token_ids.append(token)
         for r, _ in live:
             if not r.params.greedy:
                 r.proposal_probs = np.stack(probs[r.request_id])
+
+    def _widened(self, q: np.ndarray) -> np.ndarray:
+        """A distribution over the head's columns as one over the whole vocabulary (the target's)."""
+        wide = np.zeros(self.vocab_size)
+        wide[self.head] = q
+        return wide
 
     def _catch_up(self, r: Request, k: int) -> bool:
         """Point the request's draft sequence at the target's tokens: keep the cached prefix the
@@ -158,13 +178,15 @@ class DraftProposer:
         return True
 
     def _prefill(self, live: list[tuple[Request, _DraftSeq]]) -> None:
-        """Compute all but the last of each row's new tokens in chunks (the last one is fed by
-        the first proposal call, which reads its logits)."""
+        """Compute all but the last CATCH_UP of each row's new tokens in chunks; the first proposal
+        call feeds those and reads the last one's logits."""
+        start = time.perf_counter()
         while True:
-            rows = [s for _, s in live if len(s.token_ids) - 1 - s.num_computed_tokens > 0]
+            rows = [s for _, s in live if len(s.token_ids) - CATCH_UP - s.num_computed_tokens > 0]
             if not rows:
+                self.prefill_seconds = time.perf_counter() - start
                 return
-            chunks = [s.token_ids[s.num_computed_tokens:len(s.token_ids) - 1][:self.chunk] for s in rows]
+            chunks = [s.token_ids[s.num_computed_tokens:len(s.token_ids) - CATCH_UP][:self.chunk] for s in rows]
             self.engine.forward_rows([Row(c, s.num_computed_tokens, s.block_table) for c, s in zip(chunks, rows)],
                                      logits_indices=[])
             for c, s in zip(chunks, rows):
@@ -324,9 +346,12 @@ class Speculator:
         bucket, self._pending = self._pending, None
         if bucket is None or tokens is None:
             return
-        # A draft's catch-up over a new prompt counts: it is what speculating with it costs.
+        # A draft's catch-up over a new prompt is left out: it is paid once per request, at its
+        # first speculating step, and landing in one cap's short epoch it made that cap look
+        # slow for the long wait that follows a measurement (docs/speculative.md).
+        seconds = time.perf_counter() - self._started - self.proposer.prefill_seconds
         measured = self._buckets[bucket]
-        if measured.record(tokens, time.perf_counter() - self._started) and 0 in measured.rates:
+        if measured.record(tokens, seconds) and 0 in measured.rates:
             if measured.cap == 0 and not measured.probing:
                 self._lost.add(bucket)
             else:
