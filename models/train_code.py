@@ -127,6 +127,31 @@ def _schedule(peak_lr: float, steps: int):
     return lr_at
 
 
+def _fit(model, steps: int, peak_lr: float, windows) -> float:
+    """`steps` AdamW steps on batches `windows()` ([B, L] token ids), the loss on every next
+    token; returns the minutes it took."""
+    import torch
+
+    opt, lr_at = _adamw(model, peak_lr), _schedule(peak_lr, steps)
+    start, smooth = time.time(), None
+    for step in range(steps):
+        window = windows()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        logits = model(window[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB_SIZE), window[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        smooth = loss.item() if smooth is None else 0.98 * smooth + 0.02 * loss.item()
+        if step % 50 == 0 or step == steps - 1:
+            rate = (step + 1) * window[:, 1:].numel() / (time.time() - start)
+            print(f"step {step} loss {smooth:.3f} lr {lr_at(step):.2e} {rate:.0f} tok/s "
+                  f"{time.time() - start:.0f}s", flush=True)
+    return (time.time() - start) / 60
+
+
 def train(name: str, steps: int, seed: int) -> None:
     import torch
     from tokenizers import Tokenizer
@@ -144,30 +169,14 @@ def train(name: str, steps: int, seed: int) -> None:
                          rope_theta=10000.0, head_dim=arch["hidden_size"] // arch["num_attention_heads"], **arch)
     model = LlamaForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
-    opt = _adamw(model, peak_lr)
-    lr_at = _schedule(peak_lr, steps)
-
     gen = torch.Generator().manual_seed(seed)
     print(f"{name}: {params / 1e6:.2f}M parameters, {len(stream) / 1e6:.2f}M training tokens, {steps} steps "
           f"of {batch}x{SEQ_LEN}", flush=True)
-    start, smooth = time.time(), None
-    for step in range(steps):
+
+    def windows():
         offsets = torch.randint(0, len(stream) - SEQ_LEN - 1, (batch,), generator=gen)
-        window = torch.stack([stream[o:o + SEQ_LEN + 1] for o in offsets.tolist()])
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        logits = model(window[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB_SIZE), window[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        smooth = loss.item() if smooth is None else 0.98 * smooth + 0.02 * loss.item()
-        if step % 50 == 0 or step == steps - 1:
-            rate = (step + 1) * batch * SEQ_LEN / (time.time() - start)
-            print(f"step {step} loss {smooth:.3f} lr {lr_at(step):.2e} {rate:.0f} tok/s "
-                  f"{time.time() - start:.0f}s", flush=True)
-    minutes = (time.time() - start) / 60
+        return torch.stack([stream[o:o + SEQ_LEN + 1] for o in offsets.tolist()])
+    minutes = _fit(model, steps, peak_lr, windows)
 
     out = MODELS / name
     shutil.rmtree(out, ignore_errors=True)
@@ -226,27 +235,14 @@ def distill(name: str, steps: int, seed: int) -> None:
     windows = teacher_continuations(teacher, stream, cfg["sequences"], gen)
     generated = time.time() - start
     print(f"{name}: {len(windows)} continuations by {cfg['teacher']} in {generated:.0f}s", flush=True)
-    opt, lr_at = _adamw(model, cfg["lr"]), _schedule(cfg["lr"], steps)
-    start, smooth = time.time(), None
-    for step in range(steps):
-        window = windows[torch.randint(0, len(windows), (cfg["batch"],), generator=gen)]
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        logits = model(window[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB_SIZE), window[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        smooth = loss.item() if smooth is None else 0.98 * smooth + 0.02 * loss.item()
-        if step % 50 == 0 or step == steps - 1:
-            print(f"step {step} loss {smooth:.3f} lr {lr_at(step):.2e} {time.time() - start:.0f}s", flush=True)
+    minutes = _fit(model, steps, cfg["lr"],
+                   lambda: windows[torch.randint(0, len(windows), (cfg["batch"],), generator=gen)])
     out = MODELS / name
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     card = json.loads((out / "training.json").read_text())
     card["distill"] = dict(teacher=cfg["teacher"], steps=steps, sequences=len(windows), batch=cfg["batch"],
                            peak_lr=cfg["lr"], seed=seed, generate_minutes=round(generated / 60, 1),
-                           minutes=round((time.time() - start) / 60, 1))
+                           minutes=round(minutes, 1))
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
     measure(name)
 
