@@ -111,7 +111,7 @@ def test_greedy_speculation_in_flight_matches_plain_decoding(code_engines, narro
         assert blocks.num_free == blocks.capacity
 
 
-def test_a_narrow_draft_proposes_only_its_tokens_and_samples_losslessly(code_engines, narrow_draft):
+def test_a_narrow_draft_proposes_only_its_tokens_with_q_over_the_whole_vocabulary(code_engines, narrow_draft):
     from llmc.contract.engine_dir import open_engine
 
     target, _ = code_engines
@@ -130,6 +130,7 @@ def test_a_narrow_draft_proposes_only_its_tokens_and_samples_losslessly(code_eng
             if r.proposal_probs is not None:
                 widths.append(r.proposal_probs.shape[1])
                 assert np.all(r.proposal_probs[:, np.setdiff1d(np.arange(r.proposal_probs.shape[1]), kept)] == 0)
+                assert np.allclose(r.proposal_probs.sum(axis=1), 1.0)
     proposer.propose = spy
     params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
     first = llm.generate("def main():\n", params)
