@@ -62,11 +62,12 @@ def describe(manifest: Manifest, engine_dir: str | Path) -> str:
         # Engines with many layers have hundreds of pool names: wrap rather than one huge line.
         io_lines += textwrap.wrap(", ".join(names), width=100, initial_indent=prefix,
                                   subsequent_indent=" " * len(prefix))
-    io_lines.append(f"  {graph_io.LOGITS:<14}  [{graph_io.NUM_LOGITS}, vocab]: one row per token in "
-                    f"{graph_io.LOGITS_INDICES}" if m.lm_head_tokens is None else
-                    f"  {graph_io.LOGITS:<14}  [{graph_io.NUM_LOGITS}, {m.logits_width}]: one row per token in "
-                    f"{graph_io.LOGITS_INDICES}, a column per token in lm_head_tokens (a draft's; "
-                    f"ids {m.lm_head_tokens[0]}..{m.lm_head_tokens[-1]})")
+    kept = m.lm_head_tokens
+    logits = f"  {graph_io.LOGITS:<14}  [{graph_io.NUM_LOGITS}, {'vocab' if kept is None else len(kept)}]: one row " \
+             f"per token in {graph_io.LOGITS_INDICES}"
+    if kept is not None:
+        logits += f", a column per token in lm_head_tokens (a draft's; ids {kept[0]}..{kept[-1]})"
+    io_lines.append(logits)
     section("I/O", io_lines)
     section("Build options", _rows(to_json(m.build_options)))
     q = m.quantization

@@ -56,7 +56,7 @@ class BuildOptions:
     embedding: str = "auto"  # the embedding table's: fp32, bf16, fp16, int8, or "auto" (int8 when quantized)
     weight_dtype: str = "fp32"  # storage of the weights left unquantized: fp32, bf16, fp16
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES, or "auto" (kv_dtype says what it becomes)
-    calibrate: str | None = None  # text file for --quant-method awq; None: the held-out corpus
+    calibrate: str | None = None  # text file for --quant-method awq (None: the held-out corpus) and --draft-vocab
     backend: str = added("onnxruntime")  # BACKENDS: ONNX Runtime on CPU, or TensorRT with llmc's plugin
     precision: str = added("auto")  # PRECISIONS; auto: fp32 for onnxruntime, fp16 for tensorrt
     # A speculative draft's LM head over only this many tokens, the most frequent in the --calibrate
