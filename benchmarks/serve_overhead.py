@@ -303,7 +303,7 @@ def main() -> None:
               f"  {tpot / mean([r[1] for r in base]):.3f}x")
     engine = runs["in-process engine", None]
     for client, sums in served.items():
-        ttft, tpot = (statistics.mean(s[i] for s in sums) * 1e3 for i in range(2))
+        ttft, tpot = (mean([s[i] for s in sums]) for i in range(2))
         print(f"  {'server of ' + client:>12} TTFT {ttft:7.3f}  TPOT {tpot:7.3f}   {ttft / mean([r[0] for r in base]):.3f}x"
               f"  {tpot / mean([r[1] for r in base]):.3f}x   (/ in-process engine {ttft / mean([r[0] for r in engine]):.3f}x"
               f"  {tpot / mean([r[1] for r in engine]):.3f}x)")

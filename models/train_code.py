@@ -8,8 +8,9 @@ Run from the repo root (seeded; same torch version and thread count, same bytes)
     python models/train_code.py code-small --measure-only  # re-measure the committed weights
 The committed models: code-small 900 steps (56 min), code-draft 250 steps (10 min) and then the
 distillation (DISTILL below), on this project's 2 cores while other jobs shared them (code-small
-alone runs at about 2,400 tokens/s, so about 26 min). Tokens seen, held-out loss and bits per byte are in each model's README.md (the
-model card), written by this script. CI never trains: the committed weights are what recipes use.
+alone runs at about 2,400 tokens/s, so about 26 min). Tokens seen, held-out loss and bits per
+byte are in each model's README.md (the model card), written by this script. CI never trains:
+the committed weights are what recipes use.
 
 Corpus: llmc.bench.corpus (the interpreter's standard library without tests; files held out by a
 hash of their path). Each file is one document: <s> text </s>. Training draws windows of
@@ -73,8 +74,8 @@ def train_tokenizer() -> None:
 
 
 # A draft proposes what its target would decode, so after pretraining it learns the target's greedy
-# continuations of training prompts: top-1 agreement with code-small on its own decoding of
-# held-out code went from 30% to about 75% this way (docs/speculative.md).
+# continuations of training prompts (its agreement with code-small before and after, and the
+# recipes tried: docs/speculative.md).
 DISTILL = {"code-draft": dict(teacher="code-small", sequences=16384, batch=16, lr=2e-3)}
 
 
