@@ -14,7 +14,7 @@ from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.llm import LLM
 from llmc.runtime.request import Request
 from llmc.runtime.sampling import SamplingParams, distribution, sample_from, verify
-from llmc.runtime.speculative import NgramProposer, _Bucket
+from llmc.runtime.speculative import NgramProposer, Speculator, _Bucket
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=48, chunk_size=16)
 # code-small repeats itself after this prompt (it does not copy its input: docs/speculative.md),
@@ -124,13 +124,14 @@ def test_a_narrow_draft_proposes_only_its_tokens_with_q_over_the_whole_vocabular
     propose = proposer.propose
 
     def spy(rows, ks):
-        propose(rows, ks)
+        caught_up = propose(rows, ks)
         for r in rows:
             proposed.extend(r.proposal)
             if r.proposal_probs is not None:
                 widths.append(r.proposal_probs.shape[1])
                 assert np.all(r.proposal_probs[:, np.setdiff1d(np.arange(r.proposal_probs.shape[1]), kept)] == 0)
                 assert np.allclose(r.proposal_probs.sum(axis=1), 1.0)
+        return caught_up
     proposer.propose = spy
     params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
     first = llm.generate("def main():\n", params)
@@ -369,6 +370,49 @@ def test_the_cap_choice_settles_on_the_fastest_and_measuring_loses_little(gain):
     best = 4 if gain > 1.05 else 0
     assert bucket.best() == best
     assert got >= 0.98 * tokens[best] * steps
+
+
+def test_a_held_up_step_does_not_keep_the_best_cap_from_running():
+    """One step held up 200 times over (a page fault, another process) inside the first
+    measurement of k must not make k, the fastest cap, wait out most of the run."""
+    seconds, tokens = {0: 1.0, 1: 1.4, 4: 2.0}, {0: 1.0, 1: 1.9, 4: 3.8}
+    bucket = _Bucket([0, 1, 4])
+    steps, at_k, held = 3000, 0, False
+    for _ in range(steps):
+        at_k += bucket.cap == 4
+        took = seconds[bucket.cap]
+        if bucket.cap == 4 and not held:
+            took, held = 200 * took, True
+        bucket.record(tokens[bucket.cap], took)
+    assert at_k >= 0.95 * steps
+
+
+def test_a_drafts_catch_up_is_left_out_of_its_own_step_only():
+    """The seconds a draft spends catching up on a new prompt are taken out of that step's time,
+    and out of no other: a plain step after it (cap 0, nothing proposed) keeps its whole time."""
+    import time
+    from types import SimpleNamespace
+
+    class CatchingUp:  # every proposal starts with 2 ms of catch-up
+        def propose(self, rows, ks):
+            time.sleep(0.002)
+            for r in rows:
+                r.proposal, r.proposal_probs = [], None
+            return 0.002
+
+    spec = Speculator(CatchingUp(), 4)
+    row = SimpleNamespace(request_id="a", proposal=[], proposal_probs=None)
+    recorded = []
+    for _ in range(40):
+        spec.propose([row], lambda r: 100)
+        bucket = spec._buckets[1]
+        recorded.append(bucket.cap)
+        time.sleep(0.001)  # the step's own work
+        spec.step_done(1)
+        recorded[-1] = (recorded[-1], bucket.steps[-1] if bucket.steps else None)
+    steps = [(cap, seconds) for cap, seconds in recorded if seconds is not None]
+    assert {cap for cap, _ in steps} >= {0, 4}
+    assert all(0.0009 < seconds < 0.0029 for _, seconds in steps)  # whole, and without the 2 ms
 
 
 def test_sliding_window_model_speculates_losslessly(engines):

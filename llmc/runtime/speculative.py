@@ -52,15 +52,16 @@ class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
     last n tokens (n from `max_n` down to `min_n`), from a per-request index of n-grams."""
 
-    prefill_seconds = 0.0  # nothing to catch up on (DraftProposer's)
-
     def __init__(self, min_n: int, max_n: int):
         self.sizes = range(max_n, min_n - 1, -1)
         self._index: dict[str, tuple[list[dict], list[int]]] = {}
 
-    def propose(self, rows: list[Request], ks: list[int]) -> None:
+    def propose(self, rows: list[Request], ks: list[int]) -> float:
+        """Set each row's proposal of up to k tokens; returns the seconds spent catching up on new
+        prompts (none here)."""
         for r, k in zip(rows, ks):
             r.proposal, r.proposal_probs = (self._lookup(r, k) if k else []), None
+        return 0.0
 
     def _lookup(self, r: Request, k: int) -> list[int]:
         tokens = r.token_ids
@@ -114,10 +115,10 @@ class DraftProposer:
         self.blocks = BlockManager(self.engine.num_blocks, self.engine.block_size, enable_prefix_caching=False)
         self.chunk = options.chunk_size
         self._seqs: dict[str, _DraftSeq] = {}
-        self.prefill_seconds = 0.0  # the last propose's catch-up over new prompts (Speculator.step_done)
 
-    def propose(self, rows: list[Request], ks: list[int]) -> None:
-        self.prefill_seconds = 0.0
+    def propose(self, rows: list[Request], ks: list[int]) -> float:
+        """Set each row's proposal of up to k tokens; returns the seconds the draft spent catching
+        up on the rows' new tokens before proposing (a new prompt's, mostly)."""
         live = []
         for r, k in zip(rows, ks):
             r.proposal, r.proposal_probs = [], None
@@ -125,8 +126,8 @@ class DraftProposer:
             if k > 0 and self._catch_up(r, k):
                 live.append((r, k))
         if not live:
-            return
-        self._prefill([(r, self._seqs[r.request_id]) for r, _ in live])
+            return 0.0
+        caught_up = self._prefill([(r, self._seqs[r.request_id]) for r, _ in live])
         # Each draft call feeds every row's newest token and reads its next one.
         probs: dict[str, list[np.ndarray]] = {r.request_id: [] for r, _ in live}
         for j in range(max(k for _, k in live)):
@@ -151,6 +152,7 @@ class DraftProposer:
         for r, _ in live:
             if not r.params.greedy:
                 r.proposal_probs = np.stack(probs[r.request_id])
+        return caught_up
 
     def _widened(self, q: np.ndarray) -> np.ndarray:
         """A distribution over the head's columns as one over the whole vocabulary (the target's)."""
@@ -177,15 +179,14 @@ class DraftProposer:
         self.blocks.append(s, need)
         return True
 
-    def _prefill(self, live: list[tuple[Request, _DraftSeq]]) -> None:
-        """Compute all but the last CATCH_UP of each row's new tokens in chunks; the first proposal
-        call feeds those and reads the last one's logits."""
+    def _prefill(self, live: list[tuple[Request, _DraftSeq]]) -> float:
+        """Compute all but the last CATCH_UP of each row's new tokens in chunks (the first proposal
+        call feeds those and reads the last one's logits); returns the seconds it took."""
         start = time.perf_counter()
         while True:
             rows = [s for _, s in live if len(s.token_ids) - CATCH_UP - s.num_computed_tokens > 0]
             if not rows:
-                self.prefill_seconds = time.perf_counter() - start
-                return
+                return time.perf_counter() - start
             chunks = [s.token_ids[s.num_computed_tokens:len(s.token_ids) - CATCH_UP][:self.chunk] for s in rows]
             self.engine.forward_rows([Row(c, s.num_computed_tokens, s.block_table) for c, s in zip(chunks, rows)],
                                      logits_indices=[])
@@ -235,18 +236,22 @@ class _Bucket:
         self.rates: dict[int, _Rate] = {}
         self.cap = caps[0]  # the cap of the running epoch
         self.probing = True  # the running epoch measures a cap rather than uses the best
-        self.epoch, self.left = _Rate(), PROBE_STEPS
+        self.epoch, self.steps = _Rate(), []  # the running epoch's tokens, and its steps' seconds
         self.wait = 0.0  # seconds of decoding at the best cap before the next probe
         self.turn = 0  # which of the other caps the next probe measures
 
     def record(self, tokens: int, seconds: float) -> bool:
         """Add a step; True when it ended an epoch (and the next epoch's cap is chosen)."""
         self.epoch.tokens += tokens
-        self.epoch.seconds += seconds
-        self.left -= 1
-        if self.left:
+        self.steps.append(seconds)
+        if len(self.steps) < (PROBE_STEPS if self.probing else EPOCH):
             return False
-        spent, rate, pooled = self.epoch.seconds, self.epoch.value, self.rates.get(self.cap)
+        # The epoch's median step, not its mean: one step that a page fault or another process held
+        # up says nothing about the cap, and counted in full it made a cap far behind the best for
+        # the long wait after its measurement (a best cap then never ran again: test_speculative).
+        spent = float(np.median(self.steps)) * len(self.steps)
+        self.epoch.seconds = spent
+        rate, pooled = self.epoch.value, self.rates.get(self.cap)
         if pooled is not None:
             self.epoch.tokens += EPOCH_DECAY * pooled.tokens
             self.epoch.seconds += EPOCH_DECAY * pooled.seconds
@@ -257,7 +262,7 @@ class _Bucket:
         else:
             self.wait -= spent
         self.cap, self.probing = self._next()
-        self.epoch, self.left = _Rate(), PROBE_STEPS if self.probing else EPOCH
+        self.epoch, self.steps = _Rate(), []
         return True
 
     def best(self) -> int:
@@ -311,7 +316,10 @@ class Speculator:
             if cap == 0:
                 return
         ks = [max(min(self._wanted(r), cap, remaining(r) - 1), 0) for r in decoding]
-        self.proposer.propose(decoding, ks)
+        # A draft's catch-up over a new prompt is left out of the step's time: it is paid once per
+        # request, at its first speculating step, and landing in one cap's short epoch it made that
+        # cap look slow for the long wait that follows a measurement (docs/speculative.md).
+        self._started += self.proposer.propose(decoding, ks)
 
     def _wanted(self, r: Request) -> int:
         """The request's own proposal length: the j-th token only while acceptance**j is at least
@@ -346,10 +354,7 @@ class Speculator:
         bucket, self._pending = self._pending, None
         if bucket is None or tokens is None:
             return
-        # A draft's catch-up over a new prompt is left out: it is paid once per request, at its
-        # first speculating step, and landing in one cap's short epoch it made that cap look
-        # slow for the long wait that follows a measurement (docs/speculative.md).
-        seconds = time.perf_counter() - self._started - self.proposer.prefill_seconds
+        seconds = time.perf_counter() - self._started
         measured = self._buckets[bucket]
         if measured.record(tokens, seconds) and 0 in measured.rates:
             if measured.cap == 0 and not measured.probing:
