@@ -172,13 +172,13 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
                     p.calibration = calibration
             stage("calibrate", t, f"{calibration.size} tokens of {source}")
 
-        if options.draft_vocab is not None and any(isinstance(p, DraftVocab) for p in passes):
+        narrowing = [p for p in passes if isinstance(p, DraftVocab)]  # only with --draft-vocab
+        if narrowing:
             t = time.perf_counter()
             say("calibrate", "counting tokens for --draft-vocab", False)
             tokens, source = draft_tokens(folder, options.calibrate, options.draft_vocab, spec.vocab_size)
-            for p in passes:
-                if isinstance(p, DraftVocab):
-                    p.tokens = tokens
+            for p in narrowing:
+                p.tokens = tokens
             stage("calibrate", t, f"the {len(tokens)} most frequent tokens of {source}")
 
         t = time.perf_counter()

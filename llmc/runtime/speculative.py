@@ -236,13 +236,13 @@ class _Bucket:
         self.rates: dict[int, _Rate] = {}
         self.cap = caps[0]  # the cap of the running epoch
         self.probing = True  # the running epoch measures a cap rather than uses the best
-        self.epoch, self.steps = _Rate(), []  # the running epoch's tokens, and its steps' seconds
+        self.tokens, self.steps = 0, []  # the running epoch's output tokens, and its steps' seconds
         self.wait = 0.0  # seconds of decoding at the best cap before the next probe
         self.turn = 0  # which of the other caps the next probe measures
 
     def record(self, tokens: int, seconds: float) -> bool:
         """Add a step; True when it ended an epoch (and the next epoch's cap is chosen)."""
-        self.epoch.tokens += tokens
+        self.tokens += tokens
         self.steps.append(seconds)
         if len(self.steps) < (PROBE_STEPS if self.probing else EPOCH):
             return False
@@ -250,19 +250,15 @@ class _Bucket:
         # up says nothing about the cap, and counted in full it made a cap far behind the best for
         # the long wait after its measurement (a best cap then never ran again: test_speculative).
         spent = float(np.median(self.steps)) * len(self.steps)
-        self.epoch.seconds = spent
-        rate, pooled = self.epoch.value, self.rates.get(self.cap)
-        if pooled is not None:
-            self.epoch.tokens += EPOCH_DECAY * pooled.tokens
-            self.epoch.seconds += EPOCH_DECAY * pooled.seconds
-        self.rates[self.cap] = self.epoch
+        rate, pooled = self.tokens / spent, self.rates.get(self.cap, _Rate())
+        self.rates[self.cap] = _Rate(self.tokens + EPOCH_DECAY * pooled.tokens, spent + EPOCH_DECAY * pooled.seconds)
         if self.probing:  # wait so that measuring costs at most LOSS_BUDGET of the time
             loss = max(0.0, 1.0 - rate / max(r.value for r in self.rates.values()))
             self.wait = spent * max(PROBE_WAIT, loss / LOSS_BUDGET)
         else:
             self.wait -= spent
         self.cap, self.probing = self._next()
-        self.epoch, self.steps = _Rate(), []
+        self.tokens, self.steps = 0, []
         return True
 
     def best(self) -> int:
