@@ -4,8 +4,9 @@
                                      [--k 4] [--new 96] [--batch 16]
 
 Workloads, all from the held-out half of the standard library (the models never trained on it):
-- grounded: an excerpt of a file, a blank line, then the excerpt's first lines again: code whose
-  continuation repeats the input's identifiers and lines (prompt lookup's case);
+- grounded: an excerpt of a file, blank lines, then the excerpt's first two lines again (cut in
+  tokens, to the third line's indentation): code whose continuation repeats the input's
+  identifiers and lines (prompt lookup's case);
 - open: the start of a file, continued freely (the draft model's case);
 - random: random token ids, so proposals miss.
 Each configuration runs in its own process (two sessions in one process disturb each other's
@@ -38,17 +39,28 @@ def workloads(llm: LLM, count: int, prompt_tokens: int, seed: int) -> dict[str, 
     rng = np.random.default_rng(seed)
     picked = [texts[i] for i in rng.choice(len(texts), count, replace=False)]
     grounded, opened = [], []
+    gap = llm.encode("\n\n\n", add_special_tokens=False)
     for text in picked:
         start = text.index("\n", len(text) // 3) + 1  # past the module docstring and imports
         excerpt = llm.encode(text[start:])[:prompt_tokens - 24]
-        body = llm.tokenizer.decode(excerpt)
-        lines = body.split("\n")
-        head = "\n".join(lines[:2]) + "\n"
-        grounded.append(llm.encode(body + "\n\n\n" + head))
+        grounded.append(excerpt + gap + excerpt[1:_after_lines(llm, excerpt, 2)])
         opened.append(llm.encode(text[start:])[:prompt_tokens])
     vocab = prompt_vocab(llm.engine.spec.vocab_size, llm.eos_ids)
     random = [rng.choice(vocab, prompt_tokens).tolist() for _ in range(count)]
     return {"grounded": grounded, "open": opened, "random": random}
+
+
+def _after_lines(llm: LLM, ids: list[int], lines: int) -> int:
+    """Where `ids`'s first `lines` lines end, in tokens. The cut is made in tokens, not text: a
+    byte-level BPE folds a line's indentation into the newline's token, so a prompt whose text
+    ends in a newline ends in a token that says the next line starts at column 0, and the models
+    went on with a new `def` instead of the excerpt's next line."""
+    seen = 0
+    for i, t in enumerate(ids):
+        seen += llm.tokenizer.decode([t]).count("\n")
+        if seen >= lines:
+            return i + 1
+    return len(ids)
 
 
 def _worker(conn, target: str, options: dict) -> None:

@@ -4,11 +4,13 @@ Run from the repo root (seeded; same torch version and thread count, same bytes)
     python models/train_code.py tokenizer            # models/code-tokenizer/ (about 1 min)
     python models/train_code.py code-small --steps N  # models/code-small/
     python models/train_code.py code-draft --steps N  # models/code-draft/
+    python models/train_code.py code-small --repeats N  # then N steps on windows that repeat themselves
     python models/train_code.py code-draft --distill N  # then N steps learning code-small's decoding
     python models/train_code.py code-small --measure-only  # re-measure the committed weights
 The committed models: code-small 900 steps (56 min), code-draft 250 steps (10 min) and then the
 distillation (DISTILL below), on this project's 2 cores while other jobs shared them (code-small
-alone runs at about 2,400 tokens/s, so about 26 min). Tokens seen, held-out loss and bits per
+alone runs at about 2,400 tokens/s, so about 26 min). `--repeats` (REPEATS below) is measured and
+not yet in the committed weights (docs/speculative.md). Tokens seen, held-out loss and bits per
 byte are in each model's README.md (the model card), written by this script. CI never trains:
 the committed weights are what recipes use.
 
@@ -77,6 +79,14 @@ def train_tokenizer() -> None:
 # continuations of training prompts (its agreement with code-small before and after, and the
 # recipes tried: docs/speculative.md).
 DISTILL = {"code-draft": dict(teacher="code-small", sequences=16384, batch=16, lr=2e-3)}
+
+# code-small as committed does not copy from its context: given a file's excerpt and its first
+# lines again, it goes on with code of its own, which leaves prompt lookup nothing to find.
+# `--repeats 2000`, on windows that repeat an earlier stretch of themselves, taught it to.
+# code-draft's `--repeats 1000` did not (it is too small, or they were too few), but trained it on:
+# distilled after them it agreed with that code-small more often than distilled straight from
+# pretraining. Neither is committed yet: docs/speculative.md has the measurements.
+REPEATS = {"code-small": dict(batch=16, lr=2e-3), "code-draft": dict(batch=16, lr=4e-3)}
 
 
 def _adamw(model, lr: float):
@@ -153,18 +163,24 @@ def _fit(model, steps: int, peak_lr: float, windows) -> float:
     return (time.time() - start) / 60
 
 
-def train(name: str, steps: int, seed: int) -> None:
+def _training_stream(seed: int):
+    """Seed torch, set its threads, and return the training files' tokens end to end."""
     import torch
     from tokenizers import Tokenizer
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     torch.set_num_threads(2)
+    docs, _ = _documents("train", Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json")))
+    return torch.tensor([t for d in docs for t in d], dtype=torch.int64)
+
+
+def train(name: str, steps: int, seed: int) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    stream = _training_stream(seed)
     arch = dict(ARCHS[name])
     batch, peak_lr = arch.pop("batch"), arch.pop("lr")
-    tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
-    docs, _ = _documents("train", tok)
-    stream = torch.tensor([t for d in docs for t in d], dtype=torch.int64)
     config = LlamaConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=CONTEXT, rms_norm_eps=1e-5,
                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2,
                          rope_theta=10000.0, head_dim=arch["hidden_size"] // arch["num_attention_heads"], **arch)
@@ -215,20 +231,54 @@ def teacher_continuations(teacher, stream, count: int, gen, batch: int = 512):
     return torch.cat(windows)
 
 
+def repeat_windows(stream, batch: int, gen):
+    """[batch, SEQ_LEN + 1]: a stretch of 32-160 tokens at a random offset of `stream`, then
+    `stream` again from a random point in the stretch's first half. Past the repeated part the
+    window goes on with the text that followed it, so it stays ordinary code."""
+    import torch
+
+    rows = []
+    for offset in torch.randint(0, len(stream) - 2 * SEQ_LEN, (batch,), generator=gen).tolist():
+        length = int(torch.randint(32, 161, (1,), generator=gen))
+        again = offset + int(torch.randint(0, length // 2 + 1, (1,), generator=gen))
+        rows.append(torch.cat([stream[offset:offset + length], stream[again:again + SEQ_LEN + 1 - length]]))
+    return torch.stack(rows)
+
+
+def _continue(name: str, phase: str, record: dict, steps: int, seed: int, windows, model) -> None:
+    """Save `model`, trained from the committed `name` by `windows` for `steps`, as `name`, its
+    card with `record` under `phase`."""
+    import torch
+
+    minutes = _fit(model, steps, record["peak_lr"], windows)
+    out = MODELS / name
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    card = json.loads((out / "training.json").read_text())
+    card[phase] = dict(record, steps=steps, seed=seed, minutes=round(minutes, 1))
+    (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
+    measure(name)
+
+
+def repeats(name: str, steps: int, seed: int) -> None:
+    """Train the committed `name` further on `repeat_windows`, the loss on every next token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg, stream = REPEATS[name], _training_stream(seed)
+    model = AutoModelForCausalLM.from_pretrained(MODELS / name, dtype=torch.float32).train()
+    gen = torch.Generator().manual_seed(seed)
+    _continue(name, "repeats", dict(batch=cfg["batch"], peak_lr=cfg["lr"]), steps, seed,
+              lambda: repeat_windows(stream, cfg["batch"], gen), model)
+
+
 def distill(name: str, steps: int, seed: int) -> None:
     """Fine-tune the committed `name` on windows of a training prompt and its teacher's greedy
     continuation, the loss on every next token: the prompt's own (so it stays a model of the
     code) and the teacher's choices (so it proposes what the teacher decodes)."""
     import torch
-    from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    torch.set_num_threads(2)
-    cfg = DISTILL[name]
-    tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
-    docs, _ = _documents("train", tok)
-    stream = torch.tensor([t for d in docs for t in d], dtype=torch.int64)
+    cfg, stream = DISTILL[name], _training_stream(seed)
     teacher = AutoModelForCausalLM.from_pretrained(MODELS / cfg["teacher"], dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(MODELS / name, dtype=torch.float32).train()
     gen = torch.Generator().manual_seed(seed)
@@ -236,16 +286,9 @@ def distill(name: str, steps: int, seed: int) -> None:
     windows = teacher_continuations(teacher, stream, cfg["sequences"], gen)
     generated = time.time() - start
     print(f"{name}: {len(windows)} continuations by {cfg['teacher']} in {generated:.0f}s", flush=True)
-    minutes = _fit(model, steps, cfg["lr"],
-                   lambda: windows[torch.randint(0, len(windows), (cfg["batch"],), generator=gen)])
-    out = MODELS / name
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    card = json.loads((out / "training.json").read_text())
-    card["distill"] = dict(teacher=cfg["teacher"], steps=steps, sequences=len(windows), batch=cfg["batch"],
-                           peak_lr=cfg["lr"], seed=seed, generate_minutes=round(generated / 60, 1),
-                           minutes=round(minutes, 1))
-    (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
-    measure(name)
+    _continue(name, "distill", dict(teacher=cfg["teacher"], sequences=len(windows), batch=cfg["batch"], peak_lr=cfg["lr"],
+                                    generate_minutes=round(generated / 60, 1)), steps, seed,
+              lambda: windows[torch.randint(0, len(windows), (cfg["batch"],), generator=gen)], model)
 
 
 PROBE_TOKENS = 512  # the model card's probe: the first held-out tokens, checked by tests/test_trained_models.py
@@ -290,8 +333,16 @@ def _distill_row(card: dict) -> str:
             f"{d['generate_minutes']} + {d['minutes']} min (generating, training: `--distill {d['steps']}`) |\n")
 
 
+def _repeats_row(card: dict) -> str:
+    r = card.get("repeats")
+    if r is None:
+        return ""
+    return (f"| repeats | then {r['steps']} steps of {r['batch']} windows that repeat a stretch of themselves (`repeat_windows`), "
+            f"loss on every next token, peak lr {r['peak_lr']}, seed {r['seed']}, {r['minutes']} min (`--repeats {r['steps']}`) |\n")
+
+
 def _model_card(card: dict, config) -> str:
-    then = f" then `--distill {card['distill']['steps']}`" if "distill" in card else ""
+    then = "".join(f" then `--{phase} {card[phase]['steps']}`" for phase in ("repeats", "distill") if phase in card)
     return f"""# {card['name']}
 
 A Llama-architecture model trained by `python models/train_code.py {card['name']} --steps {card['steps']}`{then} on the
@@ -304,7 +355,7 @@ Python {card['python']} standard library (without its tests; `llmc.bench.corpus`
 | context | {config.max_position_embeddings} tokens: the training windows (positions beyond were never seen) |
 | tokenizer | byte-level BPE, {VOCAB_SIZE} entries, digits split, whitespace runs kept (`models/code-tokenizer`) |
 | training | {card['steps']} steps of {card['batch']} x {card['seq_len']} tokens = {card['tokens_seen'] / 1e6:.1f} M tokens seen ({card['tokens_seen'] / card['train_tokens']:.1f} passes over {card['train_tokens'] / 1e6:.2f} M training tokens), AdamW, peak lr {card['peak_lr']}, cosine, seed {card['seed']} |
-{_distill_row(card)}| wall time | {card['minutes']} min on 2 CPU cores (torch {card['torch']}) |
+{_repeats_row(card)}{_distill_row(card)}| wall time | {card['minutes']} min on 2 CPU cores (torch {card['torch']}) |
 | held-out loss | {card['heldout_loss']} nats/token over {card['heldout_tokens']} tokens (windows of {card['seq_len']}) |
 | held-out bits per byte | {card['heldout_bits_per_byte']} (the same held-out files: `gzip -9` 1.86, `xz -9` 1.57, each on the files concatenated) |
 | probe | loss {card['probe_loss']} on the first {card['probe_tokens']} held-out tokens (checked by the tests) |
@@ -319,6 +370,8 @@ def main() -> None:
     teachers = ", ".join(f"{name} from {cfg['teacher']}" for name, cfg in DISTILL.items())
     parser.add_argument("--distill", type=int, metavar="STEPS",
                         help=f"fine-tune the committed model on its teacher's decoding ({teachers})")
+    parser.add_argument("--repeats", type=int, metavar="STEPS",
+                        help="train the committed model further on windows that repeat themselves (copying)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.what == "tokenizer":
@@ -329,6 +382,10 @@ def main() -> None:
         if args.what not in DISTILL:
             parser.error(f"--distill: {args.what} has no teacher")
         distill(args.what, args.distill, args.seed)
+    elif args.repeats:
+        if args.what not in REPEATS:
+            parser.error(f"--repeats: only {', '.join(REPEATS)} are trained on repeats")
+        repeats(args.what, args.repeats, args.seed)
     else:
         train(args.what, args.steps, args.seed)
 
