@@ -39,11 +39,11 @@ def workloads(llm: LLM, count: int, prompt_tokens: int, seed: int) -> dict[str, 
     rng = np.random.default_rng(seed)
     picked = [texts[i] for i in rng.choice(len(texts), count, replace=False)]
     grounded, opened = [], []
-    gap = llm.encode("\n\n\n", add_special_tokens=False)
+    bos, gap = llm.encode(""), llm.encode("\n\n\n", add_special_tokens=False)  # bos: [<s>] where the tokenizer adds it
     for text in picked:
         start = text.index("\n", len(text) // 3) + 1  # past the module docstring and imports
-        excerpt = llm.encode(text[start:])[:prompt_tokens - 24]
-        grounded.append(excerpt + gap + excerpt[1:_after_lines(llm, excerpt, 2)])
+        excerpt = llm.encode(text[start:], add_special_tokens=False)[:prompt_tokens - 24 - len(bos)]
+        grounded.append(bos + excerpt + gap + excerpt[:_after_lines(llm, excerpt, 2)])
         opened.append(llm.encode(text[start:])[:prompt_tokens])
     vocab = prompt_vocab(llm.engine.spec.vocab_size, llm.eos_ids)
     random = [rng.choice(vocab, prompt_tokens).tolist() for _ in range(count)]
