@@ -54,7 +54,7 @@ def _after_lines(llm: LLM, ids: list[int], lines: int) -> int:
     """Where `ids`'s first `lines` lines end, in tokens. The cut is made in tokens, not text: a
     byte-level BPE folds a line's indentation into the newline's token, so a prompt whose text
     ends in a newline ends in a token that says the next line starts at column 0, and the models
-    went on with a new `def` instead of the excerpt's next line."""
+    mostly went on with a new `def` instead of the excerpt's next line."""
     seen = 0
     for i, t in enumerate(ids):
         seen += llm.tokenizer.decode([t]).count("\n")
