@@ -1,7 +1,7 @@
 """Peer comparison: llmc against llama.cpp and ONNX Runtime GenAI on the same model, in one run.
 
     python benchmarks/peers.py --setup [--bits B]       # peers' venv + conversions, then exit
-    python benchmarks/peers.py --model code-small --speculative [--spec-tokens 4]  # prompt lookup vs llama.cpp's
+    python benchmarks/peers.py --model code-small --speculative [--spec-tokens 8]  # prompt lookup vs llama.cpp's
     python benchmarks/peers.py [--reps 5] [--lossless] [--no-fusions] [--ablate] [--llmc NAME=ENGINE_DIR ...]
                                [--llmc-src NAME=CHECKOUT_DIR ...] [--peers ""] [--bits fp32|bf16|int8|int4]
                                [--json OUT]
@@ -1062,7 +1062,7 @@ def main() -> None:
     ap.add_argument("--speculative", action="store_true",
                     help="instead: prompt-lookup decoding, llmc's ngram against llama.cpp's LlamaPromptLookupDecoding, "
                          "on benchmarks/speculative.py's input-grounded workload (use --model code-small)")
-    ap.add_argument("--spec-tokens", type=int, default=4, help="--speculative: tokens proposed per step")
+    ap.add_argument("--spec-tokens", type=int, default=8, help="--speculative: tokens proposed per step")
     ap.add_argument("--spec-requests", type=int, default=8, help="--speculative: prompts")
     args = ap.parse_args()
 

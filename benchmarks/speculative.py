@@ -1,7 +1,7 @@
 """Speculative decoding against the same engine without it: batch-1 TPOT per workload, interleaved.
 
     python benchmarks/speculative.py --target ENGINE --draft DRAFT_ENGINE [--requests 8] [--rounds 3]
-                                     [--k 4] [--new 96] [--batch 16]
+                                     [--k 8] [--new 96] [--batch 16]
 
 Workloads, all from the held-out half of the standard library (the models never trained on it):
 - grounded: an excerpt of a file, blank lines, then the excerpt's first two lines again (cut in
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--draft")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=96)
     parser.add_argument("--batch", type=int, default=0)
@@ -115,6 +115,8 @@ def main() -> None:
     if args.fixed:
         for name in [n for n in options if n != "plain"]:
             options[f"{name}-fixed"] = dict(options[name], speculative_adaptive=False)
+    if args.draft:  # what the draft alone gives, without prompt lookup's proposals first
+        options["draft-only"] = dict(options["draft"], draft_prompt_lookup=False)
     ctx = multiprocessing.get_context("spawn")
     names = list(options)
     loads = workloads(LLM(args.target), args.requests, args.prompt, args.seed)

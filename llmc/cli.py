@@ -140,7 +140,7 @@ def build(model, output, block_size, max_context, disable_passes, list_passes, v
 @click.option("--speculative", default=None,
               help="Speculative decoding: ngram (prompt lookup) or a draft engine's directory.")
 @click.option("--num-speculative-tokens", type=int, default=None,
-              help="Most tokens proposed per request and step [default: tuning.json, else 4].")
+              help="Most tokens proposed per request and step [default: tuning.json, else 8].")
 @click.option("--no-tuning", is_flag=True, help="Ignore the engine's tuning.json (written by `llmc tune`).")
 def run(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, threads, speculative,
         num_speculative_tokens, no_tuning):
@@ -299,7 +299,7 @@ def _workload_options(num_requests: int, prompt_len: str, output_len: str, qps: 
 @click.option("--speculative", default=None,
               help="Speculative decoding: ngram (prompt lookup) or a draft engine's directory.")
 @click.option("--num-speculative-tokens", type=int, default=None,
-              help="Most tokens proposed per request and step [default: tuning.json, else 4].")
+              help="Most tokens proposed per request and step [default: tuning.json, else 8].")
 @click.option("--no-tuning", is_flag=True, help="Ignore the engines' tuning.json.")
 def bench(engines, workload, urls, model_name, vocab_size, tokenizer, output, no_plots, threads, max_num_seqs,
           max_num_batched_tokens, chunk_size, speculative, num_speculative_tokens, no_tuning):

@@ -14,10 +14,10 @@ from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.llm import LLM
 from llmc.runtime.request import Request
 from llmc.runtime.sampling import SamplingParams, distribution, sample_from, verify
-from llmc.runtime.speculative import NgramProposer, Speculator, _Bucket
+from llmc.runtime.speculative import EPOCH, PROBE_STEPS, NgramProposer, Speculator, _Bucket
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=48, chunk_size=16)
-# code-small repeats itself after this prompt (it does not copy its input: docs/speculative.md),
+# code-small repeats itself after this prompt (and copies from its input: docs/speculative.md),
 # so prompt lookup finds proposals it accepts.
 REPETITIVE = "        self.assertEqual("
 
@@ -88,9 +88,10 @@ def test_greedy_speculation_in_flight_matches_plain_decoding(code_engines, narro
     plain = [plain_llm.generate(p, sp) for p, sp in zip(prompts, params)]
     assert {o.finish_reason for o in plain} == {"stop", "length"}
 
-    # Not adaptive, so every step speculates; a pool small enough to preempt.
+    # Not adaptive, so every step speculates; a pool small enough to preempt. The narrow draft
+    # drafts every row itself; the other takes prompt lookup's proposals where there are some.
     llm = LLM(target, speculative=spec, num_speculative_tokens=4, speculative_adaptive=False,
-              kv_cache_blocks=48, **SMALL)
+              draft_prompt_lookup=proposer != "draft-vocab", kv_cache_blocks=48, **SMALL)
     outs = _run_in_flight(llm, prompts, params)
     for i, (a, b) in enumerate(zip(plain, outs)):
         assert b.token_ids == a.token_ids, i
@@ -297,6 +298,51 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert seq.proposal == []
 
 
+def test_ngram_goes_around_a_loop_that_runs_into_the_sequences_end():
+    ngram = NgramProposer(1, 3)
+    loop = _Seq([9, 1, 2, 3, 1, 2, 3, 1, 2])  # (3, 1, 2) last ended 3 tokens back: a period of 3
+    ngram.propose([loop], [7])
+    assert loop.proposal == [3, 1, 2, 3, 1, 2, 3]
+    ngram.release(loop)  # each _Seq is request "r"
+    single = _Seq([4, 4])
+    ngram.propose([single], [3])
+    assert single.proposal == [4, 4]  # a match of one token is trusted for two
+
+
+def test_ngram_trusts_a_match_for_twice_its_length():
+    ngram = NgramProposer(1, 3)
+    short = _Seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 3])  # (3,) alone recurs
+    ngram.propose([short], [8])
+    assert short.proposal == [4, 5]
+    ngram.release(short)
+    long = _Seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3])  # (1, 2, 3) recurs
+    ngram.propose([long], [8])
+    assert long.proposal == [4, 5, 6, 7, 8, 9]
+    ngram.release(long)
+    longer = _Seq([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3])  # and (0, 1, 2, 3) with it
+    ngram.propose([longer], [8])
+    assert longer.proposal == [4, 5, 6, 7, 8, 9, 0, 1]
+
+
+def test_a_draft_takes_prompt_lookups_proposal_where_there_is_one(code_engines):
+    target, draft = code_engines
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    for lookup in (True, False):
+        llm = LLM(target, speculative=str(draft), draft_prompt_lookup=lookup, speculative_adaptive=False)
+        proposer = llm.speculator.proposer
+        looped = Request("looped", 0, None, [5, 6, 7, 8, 5, 6, 7], greedy, llm.tokenizer, llm.eos_ids)
+        fresh = Request("fresh", 1, None, list(range(100, 140)), greedy, llm.tokenizer, llm.eos_ids)
+        proposer.propose([looped, fresh], [4, 4])
+        assert len(fresh.proposal) == 4 and "fresh" in proposer._seqs  # no match: the draft's
+        if lookup:
+            assert looped.proposal == [8, 5, 6, 7] and "looped" not in proposer._seqs
+        else:
+            assert "looped" in proposer._seqs
+        for r in (looped, fresh):
+            proposer.release(r)
+        assert proposer.blocks.num_free == proposer.blocks.capacity
+
+
 def test_truncate_returns_the_blocks_a_rejected_proposal_used():
     blocks = BlockManager(num_blocks=10, block_size=4)
     seq = _Seq(range(6))
@@ -366,10 +412,26 @@ def test_the_cap_choice_settles_on_the_fastest_and_measuring_loses_little(gain):
     steps, got = 5000, 0.0
     for _ in range(steps):
         got += tokens[bucket.cap]
-        bucket.record(tokens[bucket.cap], 1.0)
+        bucket.record({c: tokens[c] for c in bucket.caps if c <= bucket.cap}, 1.0)
     best = 4 if gain > 1.05 else 0
     assert bucket.best() == best
     assert got >= 0.98 * tokens[best] * steps
+
+
+def test_smaller_caps_are_counted_on_the_running_caps_steps():
+    """A step at cap 8 that kept a row's 8 proposals would have kept 1 at cap 1 and none at cap 0:
+    those counts go into the smaller caps' tokens a step, so every cap is judged on the text the
+    best one runs on, not only on the few steps of its own measurements."""
+    seconds = {0: 1.0, 1: 1.1, 8: 1.8}
+    bucket = _Bucket([0, 1, 8])
+    for _ in range(3 * PROBE_STEPS):  # the first measurement of each cap, on text it copies
+        bucket.record({c: min(8, c) + 1 for c in bucket.caps if c <= bucket.cap}, seconds[bucket.cap])
+    assert bucket.cap == 8 and bucket.tokens[1].value == 2.0
+    for _ in range(EPOCH):  # cap 8 on text where every proposal misses
+        bucket.record({0: 1, 1: 1, 8: 1}, seconds[8])
+    # Cap 1 missed there too, though it did not run: judged on its own measurement alone it would
+    # still show 2 tokens a step, and with them the best rate.
+    assert bucket.tokens[0].value == 1.0 and bucket.tokens[1].value < 1.5
 
 
 def test_a_held_up_step_does_not_keep_the_best_cap_from_running():
@@ -383,7 +445,7 @@ def test_a_held_up_step_does_not_keep_the_best_cap_from_running():
         took = seconds[bucket.cap]
         if bucket.cap == 4 and not held:
             took, held = 200 * took, True
-        bucket.record(tokens[bucket.cap], took)
+        bucket.record({c: tokens[c] for c in bucket.caps if c <= bucket.cap}, took)
     assert at_k >= 0.95 * steps
 
 

@@ -37,7 +37,7 @@ def runtime_space(defaults: RuntimeOptions, max_in_flight: int) -> list[Knob]:
     cores = os.cpu_count() or 1
     threads = {1, cores, defaults.num_threads} | {n for n in (2, 4, 8, 16) if n <= cores}
     seqs = [n for n in (4, 8, 16, 32) if n <= max_in_flight] or [max_in_flight]
-    return [
+    knobs = [
         Knob("num_threads", tuple(sorted(threads))),
         Knob("max_num_seqs", _around(defaults.max_num_seqs, tuple(seqs))),
         Knob("max_num_batched_tokens", _around(defaults.max_num_batched_tokens, (256, 512, 1024))),
@@ -49,6 +49,9 @@ def runtime_space(defaults: RuntimeOptions, max_in_flight: int) -> list[Knob]:
         Knob("speculative", tuple(dict.fromkeys((None, "ngram", defaults.speculative)))),
         Knob("num_speculative_tokens", _around(defaults.num_speculative_tokens, (2, 4, 8))),
     ]
+    if defaults.speculative not in (None, "ngram"):  # a draft: with prompt lookup's proposals first, or alone
+        knobs.append(Knob("draft_prompt_lookup", (True, False)))
+    return knobs
 
 
 # The build options the tuner searches with --build-knobs (disable_passes as one "+"-joined knob value).

@@ -160,10 +160,11 @@ class RuntimeOptions:
     graph_optimization_level: str = _tunable("all")
     verify_checksums: bool = True  # hash the engine's files when loading it
     speculative: str | None = _tunable(None)  # "ngram" (prompt lookup) or a draft engine's directory
-    num_speculative_tokens: int = _tunable(4)  # most tokens proposed per request and step
+    num_speculative_tokens: int = _tunable(8)  # most tokens proposed per request and step
     prompt_lookup_min: int = 1  # shortest n-gram "ngram" matches
     prompt_lookup_max: int = 3  # longest n-gram "ngram" matches (tried first)
     speculative_adaptive: bool = True  # per-request lengths and on/off from acceptance and step times
+    draft_prompt_lookup: bool = _tunable(True)  # a draft takes prompt lookup's proposal where there is one
 
     def __post_init__(self):
         for name in self.names():

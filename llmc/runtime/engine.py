@@ -286,6 +286,10 @@ def fill(rows: list[Row], inputs: dict[str, np.ndarray], last: np.ndarray | None
 def _checked_indices(indices, batch: int, seq: int) -> np.ndarray:
     """`indices` as a 1-D integer array inside the step's [batch*seq] token grid, else a
     RequestError: ONNX Runtime would fail with a multi-line Gather error (or wrap a negative one)."""
+    if type(indices) is list and indices and all(type(i) is int for i in indices):  # the runtime's own, cheaply
+        low, high = min(indices), max(indices)
+        if 0 <= low and high < batch * seq:
+            return np.array(indices, np.int64)
     array = np.asarray(indices)
     if array.shape == (0,):  # none wanted (a prefill chunk that samples nothing): [] is float to numpy
         return array.astype(np.int64)

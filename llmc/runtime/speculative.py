@@ -19,6 +19,7 @@ right). docs/speculative.md has the numbers.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -60,10 +61,10 @@ class NgramProposer:
         """Set each row's proposal of up to k tokens; returns the seconds spent catching up on new
         prompts (none here)."""
         for r, k in zip(rows, ks):
-            r.proposal, r.proposal_probs = (self._lookup(r, k) if k else []), None
+            r.proposal, r.proposal_probs = (self.lookup(r, k) if k else []), None
         return 0.0
 
-    def _lookup(self, r: Request, k: int) -> list[int]:
+    def lookup(self, r: Request, k: int) -> list[int]:
         tokens = r.token_ids
         tables, done = self._index.setdefault(r.request_id, ([{} for _ in self.sizes], [0]))
         for end in range(done[0], len(tokens)):  # n-grams ending before `end`, followed by tokens[end]
@@ -74,7 +75,16 @@ class NgramProposer:
         for n, table in zip(self.sizes, tables):
             end = table.get(tuple(tokens[-n:])) if len(tokens) >= n else None
             if end is not None:
-                return tokens[end:end + k]
+                # How far the two occurrences agree, back from the match (up to half of k): a
+                # continuation is trusted for twice that, since a lone token or pair that recurs
+                # says little about what follows it (simulated: docs/speculative.md).
+                same = n
+                while 2 * same < k and same < end and tokens[end - same - 1] == tokens[-same - 1]:
+                    same += 1
+                # A match that ends `period` tokens back says the text repeats with that period
+                # (a loop); its continuation runs into the sequence's end, so it goes on around.
+                period = len(tokens) - end
+                return [tokens[end + j % period] for j in range(min(k, 2 * same))]
         return []
 
     def release(self, r: Request) -> None:
@@ -115,6 +125,10 @@ class DraftProposer:
         self.blocks = BlockManager(self.engine.num_blocks, self.engine.block_size, enable_prefix_caching=False)
         self.chunk = options.chunk_size
         self._seqs: dict[str, _DraftSeq] = {}
+        # Prompt lookup first: a match costs nothing to find, and where the target copies from its
+        # context (code, edits, quoting) it is right more often than a small draft, which copies less.
+        self.lookup = (NgramProposer(options.prompt_lookup_min, options.prompt_lookup_max)
+                       if options.draft_prompt_lookup else None)
 
     def propose(self, rows: list[Request], ks: list[int]) -> float:
         """Set each row's proposal of up to k tokens; returns the seconds the draft spent catching
@@ -122,6 +136,9 @@ class DraftProposer:
         live = []
         for r, k in zip(rows, ks):
             r.proposal, r.proposal_probs = [], None
+            if k and self.lookup is not None and (found := self.lookup.lookup(r, k)):
+                r.proposal = found  # q is a point mass, as for "ngram"
+                continue
             k = min(k, self.engine.max_context - len(r.token_ids))
             if k > 0 and self._catch_up(r, k):
                 live.append((r, k))
@@ -197,6 +214,8 @@ class DraftProposer:
         s = self._seqs.pop(r.request_id, None)
         if s is not None:
             self.blocks.free(s)
+        if self.lookup is not None:
+            self.lookup.release(r)
 
 
 @dataclass
@@ -215,64 +234,82 @@ class _RowState:
 
 
 @dataclass
-class _Rate:
-    """Output tokens over seconds of whole steps (proposing, verifying, accepting)."""
-    tokens: float = 0.0
-    seconds: float = 0.0
+class _Mean:
+    """A per-step mean pooled over epochs, the older ones decayed by EPOCH_DECAY."""
+    total: float = 0.0
+    steps: float = 0.0
+
+    def add(self, total: float, steps: int) -> "_Mean":
+        return _Mean(total + EPOCH_DECAY * self.total, steps + EPOCH_DECAY * self.steps)
 
     @property
     def value(self) -> float:
-        return self.tokens / self.seconds
+        return self.total / self.steps
 
 
 class _Bucket:
     """The choice of cap at one batch-size bucket, measured in epochs of several decode steps
     (EPOCH at the best cap, PROBE_STEPS measuring another), so the step-to-step noise of a shared
-    machine and the mix of requests average out; a cap's epochs are pooled, the older ones
-    decayed by EPOCH_DECAY."""
+    machine and the mix of requests average out. A cap's rate is its output tokens a step over its
+    seconds a step. The seconds come from its own epochs, the tokens also from every larger cap's,
+    counted as if those steps had run at it (a row that kept a proposals would have kept
+    min(a, cap)): caps are compared on the same text, not each on the stretch it happened to be
+    measured on, where a lucky probe of a smaller cap could displace the best for a while."""
 
     def __init__(self, caps: list[int]):
         self.caps = caps
-        self.rates: dict[int, _Rate] = {}
+        self.seconds: dict[int, _Mean] = {}  # per cap: seconds a step
+        self.tokens: dict[int, _Mean] = {}  # per cap: output tokens a step
         self.cap = caps[0]  # the cap of the running epoch
         self.probing = True  # the running epoch measures a cap rather than uses the best
-        self.tokens, self.steps = 0, []  # the running epoch's output tokens, and its steps' seconds
+        self.epoch_tokens: dict[int, float] = {}  # the running epoch's tokens, per cap up to its own
+        self.steps: list[float] = []  # the running epoch's steps' seconds
         self.wait = 0.0  # seconds of decoding at the best cap before the next probe
         self.turn = 0  # which of the other caps the next probe measures
 
-    def record(self, tokens: int, seconds: float) -> bool:
-        """Add a step; True when it ended an epoch (and the next epoch's cap is chosen)."""
-        self.tokens += tokens
+    @property
+    def rates(self) -> dict[int, float]:
+        """Tokens per second of each measured cap."""
+        return {cap: self.tokens[cap].value / seconds.value for cap, seconds in self.seconds.items()}
+
+    def record(self, tokens: dict[int, float], seconds: float) -> bool:
+        """Add a step: its output tokens under each cap up to the running one, and its seconds.
+        True when it ended an epoch (and the next epoch's cap is chosen)."""
+        for cap, got in tokens.items():
+            self.epoch_tokens[cap] = self.epoch_tokens.get(cap, 0.0) + got
         self.steps.append(seconds)
-        if len(self.steps) < (PROBE_STEPS if self.probing else EPOCH):
+        steps = len(self.steps)
+        if steps < (PROBE_STEPS if self.probing else EPOCH):
             return False
         # The epoch's median step, not its mean: one step that a page fault or another process held
         # up says nothing about the cap, and counted in full it made a cap far behind the best for
         # the long wait after its measurement (a best cap then never ran again: test_speculative).
-        spent = float(np.median(self.steps)) * len(self.steps)
-        rate, pooled = self.tokens / spent, self.rates.get(self.cap, _Rate())
-        self.rates[self.cap] = _Rate(self.tokens + EPOCH_DECAY * pooled.tokens, spent + EPOCH_DECAY * pooled.seconds)
+        # statistics', not numpy's: run cold after a step, numpy's took up to 0.15 ms.
+        spent = statistics.median(self.steps) * steps
+        self.seconds[self.cap] = self.seconds.get(self.cap, _Mean()).add(spent, steps)
+        for cap, got in self.epoch_tokens.items():
+            self.tokens[cap] = self.tokens.get(cap, _Mean()).add(got, steps)
         if self.probing:  # wait so that measuring costs at most LOSS_BUDGET of the time
-            loss = max(0.0, 1.0 - rate / max(r.value for r in self.rates.values()))
+            loss = max(0.0, 1.0 - self.epoch_tokens[self.cap] / spent / max(self.rates.values()))
             self.wait = spent * max(PROBE_WAIT, loss / LOSS_BUDGET)
         else:
             self.wait -= spent
         self.cap, self.probing = self._next()
-        self.tokens, self.steps = 0, []
+        self.epoch_tokens, self.steps = {}, []
         return True
 
     def best(self) -> int:
         """The measured cap with the most tokens per second; speculating must beat plain
         decoding by MIN_GAIN."""
-        plain = self.rates[0].value
-        best = max(self.rates, key=lambda c: self.rates[c].value)
-        return best if best and self.rates[best].value > MIN_GAIN * plain else 0
+        rates = self.rates
+        best = max(rates, key=rates.get)
+        return best if best and rates[best] > MIN_GAIN * rates[0] else 0
 
     def _next(self) -> tuple[int, bool]:
         """The next epoch's cap, and whether it measures: a cap not yet measured, or one that is
         not the best once the wait after the last measurement has passed (a cap close to the best
         is measured again soon, one far behind it rarely)."""
-        unmeasured = [c for c in self.caps if c not in self.rates]
+        unmeasured = [c for c in self.caps if c not in self.seconds]
         if unmeasured:
             return unmeasured[0], True
         best = self.best()
@@ -297,11 +334,13 @@ class Speculator:
         self._lost: set[int] = set()  # batch buckets where speculating measured no faster
         self._pending: int | None = None  # the running step's batch bucket, when it is measured
         self._started = 0.0
+        self._accepted: list[int] = []  # the running step's kept proposals, per verified row
 
     def propose(self, decoding: list[Request], remaining) -> None:
         """Set the decoding requests' proposals; `remaining(r)` is how many more tokens r may still
         produce (a proposal longer than that minus one cannot be kept)."""
         self._started = time.perf_counter()
+        self._accepted = []
         cap = self.max_tokens
         if self.adaptive:
             bucket = _bucket(len(decoding))
@@ -336,6 +375,7 @@ class Speculator:
 
     def verified(self, r: Request, proposed: int, accepted: int) -> None:
         """Learn from a request's step: `accepted` of its `proposed` tokens were kept."""
+        self._accepted.append(accepted)
         s = self._rows.get(r.request_id)
         if s is None or not proposed:
             return
@@ -352,7 +392,10 @@ class Speculator:
             return
         seconds = time.perf_counter() - self._started
         measured = self._buckets[bucket]
-        if measured.record(tokens, seconds) and 0 in measured.rates:
+        # What the step would have output under each smaller cap: a row keeps min(accepted, cap).
+        by_cap = {cap: tokens - sum(max(0, a - cap) for a in self._accepted)
+                  for cap in self.caps if cap <= measured.cap}
+        if measured.record(by_cap, seconds) and 0 in measured.seconds:
             if measured.cap == 0 and not measured.probing:
                 self._lost.add(bucket)
             else:
