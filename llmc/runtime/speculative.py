@@ -18,6 +18,7 @@ right). docs/speculative.md has the numbers.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import statistics
 import time
@@ -329,6 +330,8 @@ class Speculator:
         self.adaptive = adaptive
         # The caps a batch size chooses between: none, one token, the most allowed.
         self.caps = sorted({0, 1, max_tokens})
+        # acceptance**j >= MIN_CHANCE exactly when acceptance >= MIN_CHANCE**(1/j): the j-th bar.
+        self._bars = [MIN_CHANCE ** (1 / j) for j in range(1, max_tokens + 1)]
         self._rows: dict[str, _RowState] = {}
         self._buckets: dict[int, _Bucket] = {}
         self._lost: set[int] = set()  # batch buckets where speculating measured no faster
@@ -347,7 +350,10 @@ class Speculator:
             if any(b < bucket for b in self._lost):  # verifying costs more the larger the batch
                 return
             self._pending = bucket
-            cap = self._buckets.setdefault(bucket, _Bucket(self.caps)).cap
+            measured = self._buckets.get(bucket)
+            if measured is None:
+                measured = self._buckets[bucket] = _Bucket(self.caps)
+            cap = measured.cap
             if cap == 0:
                 return
         ks = [max(min(self._wanted(r), cap, remaining(r) - 1), 0) for r in decoding]
@@ -361,10 +367,10 @@ class Speculator:
         MIN_CHANCE; none while paused, but a one-token probe now and then."""
         if not self.adaptive:
             return self.max_tokens
-        s = self._rows.setdefault(r.request_id, _RowState())
-        k = 0
-        while k < self.max_tokens and s.acceptance ** (k + 1) >= MIN_CHANCE:
-            k += 1
+        s = self._rows.get(r.request_id)
+        if s is None:
+            s = self._rows[r.request_id] = _RowState()
+        k = bisect.bisect_right(self._bars, s.acceptance)
         if k == 0:
             s.wait -= 1
             if s.wait <= 0:
