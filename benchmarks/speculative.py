@@ -8,7 +8,9 @@ Workloads, all from the held-out half of the standard library (the models never 
   tokens, to the third line's indentation): code whose continuation repeats the input's
   identifiers and lines (prompt lookup's case);
 - open: the start of a file, continued freely (the draft model's case);
-- random: random token ids, so proposals miss.
+- random: random token ids, so proposals miss (with these models they do not: the models loop);
+- sampled: the random prompts sampled at temperature 1, each request with its own seed, so the
+  proposals do miss (outputs differ from plain decoding's, as samples do: "same" is "-").
 Each configuration runs in its own process (two sessions in one process disturb each other's
 thread pools); each request runs alone (batch 1) on every configuration in turn, the order rotating
 per request and round, so drift on this noisy machine hits them alike. TPOT is each request's own (E2E -
@@ -47,7 +49,7 @@ def workloads(llm: LLM, count: int, prompt_tokens: int, seed: int) -> dict[str, 
         opened.append(llm.encode(text[start:])[:prompt_tokens])
     vocab = prompt_vocab(llm.engine.spec.vocab_size, llm.eos_ids)
     random = [rng.choice(vocab, prompt_tokens).tolist() for _ in range(count)]
-    return {"grounded": grounded, "open": opened, "random": random}
+    return {"grounded": grounded, "open": opened, "random": random, "sampled": random}
 
 
 def _after_lines(llm: LLM, ids: list[int], lines: int) -> int:
@@ -139,8 +141,11 @@ def main() -> None:
             for i, prompt in enumerate(prompts):
                 shift = (i + rnd) % len(names)
                 outs = {}
+                sampled = load == "sampled"
+                p = SamplingParams(max_tokens=args.new, ignore_eos=True, temperature=1.0, seed=rnd * 1000 + i) \
+                    if sampled else params
                 for n in names[shift:] + names[:shift]:
-                    (ids, t, proposed, accepted, num_tokens, steps), = configs[n].run([prompt], params)[0]
+                    (ids, t, proposed, accepted, num_tokens, steps), = configs[n].run([prompt], p)[0]
                     tpot[load, n].append(t)
                     s = stats[load, n]
                     s[0] += proposed
@@ -149,7 +154,7 @@ def main() -> None:
                     s[3] += steps
                     outs[n] = ids
                 for n in names:
-                    same[load, n] &= outs[n] == outs["plain"]
+                    same[load, n] = None if sampled else same[load, n] and outs[n] == outs["plain"]
         for rep in range(3 if args.batch else 0):
             shift = (rnd + rep) % len(names)
             for n in names[shift:] + names[:shift]:
@@ -169,7 +174,7 @@ def main() -> None:
             p, a, t, st = stats[load, n]
             accept = f"{a / p:.2f}" if p else "-"
             print(f"{load:>9} {n:>11} {mean * 1e3:8.3f} {mean / base:8.3f} {base / mean:8.2f} {accept:>7} "
-                  f"{t / st:9.2f} {str(same[load, n]):>5}")
+                  f"{t / st:9.2f} {'-' if same[load, n] is None else str(same[load, n]):>5}")
     if args.batch:
         print(f"\nbatch {args.batch} (open workload, all at once): output tokens/s, mean of {len(rates['plain'])} runs")
         base = statistics.mean(rates["plain"])

@@ -118,7 +118,7 @@ def test_a_narrow_draft_proposes_only_its_tokens_with_q_over_the_whole_vocabular
     target, _ = code_engines
     kept = open_engine(narrow_draft).manifest.lm_head_tokens
     assert len(kept) == 512 and list(kept) == sorted(set(kept))
-    llm = LLM(target, speculative=str(narrow_draft), speculative_adaptive=False)
+    llm = LLM(target, speculative=str(narrow_draft), speculative_adaptive=False, draft_prompt_lookup=False)
     proposer = llm.speculator.proposer
     assert proposer.engine.forward_rows([Row([5], 0, [1])]).shape == (1, 512)
     proposed, widths = [], []
@@ -195,7 +195,7 @@ def test_seeded_sampling_with_speculation_runs_and_repeats(code_engines):
 # -- the acceptance rule keeps the target's distribution -------------------------------------
 
 VOCAB = 6
-CHI2_999 = {5: 20.515}  # chi-square critical value at p = 0.001 for VOCAB - 1 degrees of freedom
+CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}  # chi-square at p = 0.001, by degrees of freedom
 
 
 def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -203,13 +203,13 @@ def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def _first_token_counts(rule, proposal_probs: np.ndarray | None, trials: int = 12000) -> tuple[np.ndarray, np.ndarray]:
+def _first_token_counts(rule, proposal_probs: np.ndarray | None, trials: int = 12000,
+                        params: SamplingParams = SamplingParams(temperature=1.0)) -> tuple[np.ndarray, np.ndarray]:
     """Counts of the first kept token over many verifications of fresh proposals, and the
     target's distribution they must follow."""
     rng = np.random.default_rng(1)
     logits = np.log(np.array([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04], [0.1, 0.1, 0.2, 0.2, 0.2, 0.2],
                               [0.3, 0.3, 0.1, 0.1, 0.1, 0.1]]))
-    params = SamplingParams(temperature=1.0)
     counts = np.zeros(VOCAB)
     for _ in range(trials):
         if proposal_probs is None:  # a certain proposal, as prompt lookup makes: always the same tokens
@@ -244,6 +244,16 @@ QS = pytest.mark.parametrize("q", [None, DRAFT_Q, NARROW_Q],
 def test_rejection_sampling_keeps_the_target_distribution(q):
     counts, p = _first_token_counts(verify, q)
     assert _chi2(counts, p) < CHI2_999[VOCAB - 1]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_k=4), SamplingParams(temperature=1.0, top_p=0.8),
+                                    SamplingParams(temperature=1.3, top_k=5, top_p=0.9)])
+def test_certain_proposals_keep_the_filtered_distribution(params):
+    """Prompt lookup's proposals against top-k and top-p rows (the sparse path of verify): the
+    proposal 4 falls outside the kept tokens in some of these, where it must never be accepted."""
+    counts, p = _first_token_counts(verify, None, params=params)
+    assert counts[p == 0].sum() == 0
+    assert _chi2(counts[p > 0], p[p > 0]) < CHI2_999[int((p > 0).sum()) - 1]
 
 
 @QS

@@ -161,9 +161,11 @@ class LLM:
         for r in self.scheduler.running:
             if r.proposal:  # one left from a step that did not schedule the request
                 r.proposal, r.proposal_probs = [], None
-            if r.num_pending_tokens == 1 and r.out.token_ids:
-                decoding.append(r)
-            elif r.num_pending_tokens > 1:
+            pending = len(r.token_ids) - r.num_computed_tokens
+            if pending == 1:
+                if r.out.token_ids:
+                    decoding.append(r)
+            elif pending > 1:
                 prefilling = True
         # Only steps that decode and nothing else speculate: a step with prefill chunks is long
         # already, and its time says nothing about what verifying costs.

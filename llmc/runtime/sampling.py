@@ -253,6 +253,8 @@ def verify(logits: np.ndarray, proposed: Sequence[int], proposal_probs: np.ndarr
                 break
             kept.append(int(x))
         return kept + [int(target[len(kept)])]
+    if proposal_probs is None:
+        return _verify_certain(logits, proposed, params, rng)
     kept = []
     for j, x in enumerate(proposed):
         p = distribution(logits[j], params)
@@ -270,6 +272,28 @@ def verify(logits: np.ndarray, proposed: Sequence[int], proposal_probs: np.ndarr
             residual = p
         return kept + [sample_from(residual / residual.sum(), rng)]
     return kept + [sample_from(distribution(logits[len(kept)], params), rng)]
+
+
+def _verify_certain(logits: np.ndarray, proposed: Sequence[int], params: SamplingParams,
+                    rng: np.random.Generator) -> list[int]:
+    """`verify` of a sampled row whose proposals were certain (q = 1 at x): accept x with
+    probability p(x), else draw from p without x. The same rule and the same draws from `rng` as
+    the dense path, on the sampler's own sparse rows: that path's float64 vocabulary-wide copies
+    cost a verify step as much as its second token (docs/speculative.md)."""
+    kept = []
+    for j, x in enumerate(proposed):
+        u = rng.random()
+        ids, probs = _support(logits[j], params.temperature, params.top_k, params.top_p)
+        at = x if ids is None else next(iter(np.flatnonzero(ids == x)), None)
+        if at is not None and u * float(probs.sum(dtype=np.float64)) < probs[at]:
+            kept.append(int(x))
+            continue
+        if at is not None:
+            probs[at] = 0.0  # _support's arrays are its own
+            if not probs.any():  # p was all on x (round-off let u miss it): any draw from p is x
+                return kept + [int(x)]
+        return kept + [_draw(ids, probs, rng.random())]
+    return kept + [_sample_row(logits[len(kept)], params, rng)]
 
 
 class Sampler:

@@ -35,6 +35,9 @@ from llmc.runtime.request import Request
 from llmc.runtime.sampling import distribution, sample_from
 
 MIN_CHANCE = 0.1  # propose the j-th token while acceptance**j is at least this
+# ...and any at all only while acceptance is at least this: a verify row of two tokens costs 10-20%
+# more than a plain step (its second row, its verification), so a first token kept less often loses.
+MIN_FIRST = 0.3
 PRIOR_HITS, PRIOR_TRIALS = 1.5, 2.0  # a new request's estimate, 0.75: optimistic, so it tries
 DECAY = 0.7  # weight of the earlier steps in a request's acceptance estimate
 MAX_BACKOFF = 64  # steps a paused request waits at most before it probes again
@@ -265,6 +268,7 @@ class _Bucket:
         self.probing = True  # the running epoch measures a cap rather than uses the best
         self.epoch_tokens: dict[int, float] = {}  # the running epoch's tokens, per cap up to its own
         self.steps: list[float] = []  # the running epoch's steps' seconds
+        self.catch_up = 0.0  # the running epoch's draft catch-up seconds
         self.wait = 0.0  # seconds of decoding at the best cap before the next probe
         self.turn = 0  # which of the other caps the next probe measures
 
@@ -273,12 +277,15 @@ class _Bucket:
         """Tokens per second of each measured cap."""
         return {cap: self.tokens[cap].value / seconds.value for cap, seconds in self.seconds.items()}
 
-    def record(self, tokens: dict[int, float], seconds: float) -> bool:
-        """Add a step: its output tokens under each cap up to the running one, and its seconds.
-        True when it ended an epoch (and the next epoch's cap is chosen)."""
+    def record(self, tokens: dict[int, float], seconds: float, catch_up: float = 0.0) -> bool:
+        """Add a step: its output tokens under each cap up to the running one, its seconds, and
+        the seconds a draft spent catching up before it (left out of the rate, but counted in what
+        a measurement costs: measuring a draft that is not running makes it catch up on every
+        request in flight). True when it ended an epoch (and the next epoch's cap is chosen)."""
         for cap, got in tokens.items():
             self.epoch_tokens[cap] = self.epoch_tokens.get(cap, 0.0) + got
         self.steps.append(seconds)
+        self.catch_up += catch_up
         steps = len(self.steps)
         if steps < (PROBE_STEPS if self.probing else EPOCH):
             return False
@@ -291,12 +298,13 @@ class _Bucket:
         for cap, got in self.epoch_tokens.items():
             self.tokens[cap] = self.tokens.get(cap, _Mean()).add(got, steps)
         if self.probing:  # wait so that measuring costs at most LOSS_BUDGET of the time
+            spent += self.catch_up
             loss = max(0.0, 1.0 - self.epoch_tokens[self.cap] / spent / max(self.rates.values()))
             self.wait = spent * max(PROBE_WAIT, loss / LOSS_BUDGET)
         else:
             self.wait -= spent
         self.cap, self.probing = self._next()
-        self.epoch_tokens, self.steps = {}, []
+        self.epoch_tokens, self.steps, self.catch_up = {}, [], 0.0
         return True
 
     def best(self) -> int:
@@ -338,16 +346,21 @@ class Speculator:
         self._pending: int | None = None  # the running step's batch bucket, when it is measured
         self._started = 0.0
         self._accepted: list[int] = []  # the running step's kept proposals, per verified row
+        # Per bucket: decode plainly, unmeasured, until then. Where plain decoding is the best and no
+        # measurement is due, timing each step was the speculator's only cost, 2% of a step.
+        self._plain_until: dict[int, float] = {}
+        self._catch_up = 0.0  # the running step's draft catch-up, in seconds
 
     def propose(self, decoding: list[Request], remaining) -> None:
         """Set the decoding requests' proposals; `remaining(r)` is how many more tokens r may still
         produce (a proposal longer than that minus one cannot be kept)."""
         self._started = time.perf_counter()
-        self._accepted = []
         cap = self.max_tokens
         if self.adaptive:
             bucket = _bucket(len(decoding))
-            if any(b < bucket for b in self._lost):  # verifying costs more the larger the batch
+            if self._lost and min(self._lost) < bucket:  # verifying costs more the larger the batch
+                return
+            if self._plain_until.get(bucket, 0.0) > self._started:  # plain and no measurement due
                 return
             self._pending = bucket
             measured = self._buckets.get(bucket)
@@ -360,17 +373,18 @@ class Speculator:
         # A draft's catch-up over a new prompt is left out of the step's time: it is paid once per
         # request, at its first speculating step, and landing in one cap's short epoch it made that
         # cap look slow for the long wait that follows a measurement (docs/speculative.md).
-        self._started += self.proposer.propose(decoding, ks)
+        self._catch_up = self.proposer.propose(decoding, ks)
+        self._started += self._catch_up
 
     def _wanted(self, r: Request) -> int:
         """The request's own proposal length: the j-th token only while acceptance**j is at least
-        MIN_CHANCE; none while paused, but a one-token probe now and then."""
+        MIN_CHANCE, and none below MIN_FIRST (paused, but a one-token probe now and then)."""
         if not self.adaptive:
             return self.max_tokens
         s = self._rows.get(r.request_id)
         if s is None:
             s = self._rows[r.request_id] = _RowState()
-        k = bisect.bisect_right(self._bars, s.acceptance)
+        k = bisect.bisect_right(self._bars, s.acceptance) if s.acceptance >= MIN_FIRST else 0
         if k == 0:
             s.wait -= 1
             if s.wait <= 0:
@@ -394,18 +408,28 @@ class Speculator:
         """Record the step's output tokens and whole time (proposing, verifying, accepting) in its
         batch size's epoch; None: the step also prefilled, so it says nothing about decoding."""
         bucket, self._pending = self._pending, None
+        accepted, self._accepted = self._accepted, []
+        catch_up, self._catch_up = self._catch_up, 0.0
         if bucket is None or tokens is None:
             return
         seconds = time.perf_counter() - self._started
         measured = self._buckets[bucket]
         # What the step would have output under each smaller cap: a row keeps min(accepted, cap).
-        by_cap = {cap: tokens - sum(max(0, a - cap) for a in self._accepted)
-                  for cap in self.caps if cap <= measured.cap}
-        if measured.record(by_cap, seconds) and 0 in measured.seconds:
+        # (Cap 0 is the common case where speculation loses: its few microseconds a step count.)
+        by_cap = {0: tokens} if measured.cap == 0 else {
+            cap: tokens - sum(a - cap for a in accepted if a > cap) for cap in self.caps if cap <= measured.cap}
+        if not measured.record(by_cap, seconds, catch_up):
+            return
+        if 0 in measured.seconds:
             if measured.cap == 0 and not measured.probing:
                 self._lost.add(bucket)
             else:
                 self._lost.discard(bucket)
+        if measured.cap == 0 and not measured.probing and measured.wait > 0:
+            # The wait runs on the clock instead; the epoch of plain decoding after it is measured,
+            # so the next probe is compared with a fresh rate.
+            self._plain_until[bucket] = time.perf_counter() + measured.wait
+            measured.wait = 0.0
 
     def release(self, r: Request) -> None:
         self._rows.pop(r.request_id, None)
