@@ -35,9 +35,6 @@ from llmc.runtime.request import Request
 from llmc.runtime.sampling import distribution, sample_from
 
 MIN_CHANCE = 0.1  # propose the j-th token while acceptance**j is at least this
-# ...and any at all only while acceptance is at least this: a verify row of two tokens costs 10-20%
-# more than a plain step (its second row, its verification), so a first token kept less often loses.
-MIN_FIRST = 0.3
 PRIOR_HITS, PRIOR_TRIALS = 1.5, 2.0  # a new request's estimate, 0.75: optimistic, so it tries
 DECAY = 0.7  # weight of the earlier steps in a request's acceptance estimate
 MAX_BACKOFF = 64  # steps a paused request waits at most before it probes again
@@ -378,13 +375,13 @@ class Speculator:
 
     def _wanted(self, r: Request) -> int:
         """The request's own proposal length: the j-th token only while acceptance**j is at least
-        MIN_CHANCE, and none below MIN_FIRST (paused, but a one-token probe now and then)."""
+        MIN_CHANCE; none while paused, but a one-token probe now and then."""
         if not self.adaptive:
             return self.max_tokens
         s = self._rows.get(r.request_id)
         if s is None:
             s = self._rows[r.request_id] = _RowState()
-        k = bisect.bisect_right(self._bars, s.acceptance) if s.acceptance >= MIN_FIRST else 0
+        k = bisect.bisect_right(self._bars, s.acceptance)
         if k == 0:
             s.wait -= 1
             if s.wait <= 0:
