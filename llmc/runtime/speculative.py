@@ -344,7 +344,7 @@ class Speculator:
         self._started = 0.0
         self._accepted: list[int] = []  # the running step's kept proposals, per verified row
         # Per bucket: decode plainly, unmeasured, until then. Where plain decoding is the best and no
-        # measurement is due, timing each step was the speculator's only cost, 2% of a step.
+        # measurement is due, timing each step was all the speculator cost, and a measurable share.
         self._plain_until: dict[int, float] = {}
         self._catch_up = 0.0  # the running step's draft catch-up, in seconds
 
