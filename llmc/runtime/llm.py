@@ -127,7 +127,10 @@ class LLM:
 
     def step(self) -> list[Request]:
         """Run one engine step; returns the requests that got a token (or finished) in it."""
-        if self.speculator is not None:
+        spec = self.speculator
+        if spec is not None and spec.resting(len(self.scheduler.running)):
+            spec = None  # plain decoding, unmeasured: not even the speculator's bookkeeping
+        if spec is not None:
             self._propose()
         scheduled = self.scheduler.schedule()
         updated: list[Request] = []
@@ -144,8 +147,8 @@ class LLM:
                     r.out.finish_reason, r.out.error = "error", f"backend step failed: {first_line(exc)}"
                     if r not in updated:
                         updated.append(r)
-        if self.speculator is not None:
-            self.speculator.step_done(None if prefills else sum(len(r.out.token_ids) for r, _ in decodes) - before)
+        if spec is not None:
+            spec.step_done(None if prefills else sum(len(r.out.token_ids) for r, _ in decodes) - before)
         for r in updated:
             if r.out.finished:
                 self._retire(r)

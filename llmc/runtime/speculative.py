@@ -357,8 +357,6 @@ class Speculator:
             bucket = _bucket(len(decoding))
             if self._lost and min(self._lost) < bucket:  # verifying costs more the larger the batch
                 return
-            if self._plain_until.get(bucket, 0.0) > self._started:  # plain and no measurement due
-                return
             self._pending = bucket
             measured = self._buckets.get(bucket)
             if measured is None:
@@ -372,6 +370,11 @@ class Speculator:
         # cap look slow for the long wait that follows a measurement (docs/speculative.md).
         self._catch_up = self.proposer.propose(decoding, ks)
         self._started += self._catch_up
+
+    def resting(self, batch: int) -> bool:
+        """True while plain decoding is the best at this batch size and no measurement is due: the
+        step runs without the speculator."""
+        return self.adaptive and self._plain_until.get(_bucket(batch), 0.0) > time.perf_counter()
 
     def _wanted(self, r: Request) -> int:
         """The request's own proposal length: the j-th token only while acceptance**j is at least
