@@ -286,22 +286,26 @@ def fill(rows: list[Row], inputs: dict[str, np.ndarray], last: np.ndarray | None
 def _checked_indices(indices, batch: int, seq: int) -> np.ndarray:
     """`indices` as a 1-D integer array inside the step's [batch*seq] token grid, else a
     RequestError: ONNX Runtime would fail with a multi-line Gather error (or wrap a negative one)."""
-    if type(indices) is list and indices and all(type(i) is int for i in indices):  # the runtime's own, cheaply
-        low, high = min(indices), max(indices)
-        if 0 <= low and high < batch * seq:
-            return np.array(indices, np.int64)
-    array = np.asarray(indices)
-    if array.shape == (0,):  # none wanted (a prefill chunk that samples nothing): [] is float to numpy
-        return array.astype(np.int64)
-    grid = f"the step's {batch}x{seq} token grid (row b, token j is b*{seq} + j)"
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise RequestError(f"logits_indices must be a 1-D array of integer indices into {grid}; "
-                           f"got {array.ndim}-D {array.dtype}")
-    low, high = int(array.min()), int(array.max())
+    if type(indices) is list and indices and all(type(i) is int for i in indices):
+        # The runtime's own lists (a verify step's): numpy's min and max on a few ints, run cold
+        # after a step, cost more than the Python around them.
+        array, low, high = np.array(indices, np.int64), min(indices), max(indices)
+    else:
+        array = np.asarray(indices)
+        if array.shape == (0,):  # none wanted (a prefill chunk that samples nothing): [] is float to numpy
+            return array.astype(np.int64)
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise RequestError(f"logits_indices must be a 1-D array of integer indices into {_grid(batch, seq)}; "
+                               f"got {array.ndim}-D {array.dtype}")
+        low, high = int(array.min()), int(array.max())
     if low < 0 or high >= batch * seq:
-        raise RequestError(f"logits_indices holds {low if low < 0 else high}, outside {grid}: "
+        raise RequestError(f"logits_indices holds {low if low < 0 else high}, outside {_grid(batch, seq)}: "
                            f"each index must be 0 to {batch * seq - 1}")
     return array
+
+
+def _grid(batch: int, seq: int) -> str:
+    return f"the step's {batch}x{seq} token grid (row b, token j is b*{seq} + j)"
 
 
 def _read_weights(opts, path: Path, name: str):

@@ -136,7 +136,7 @@ class LLM:
         updated: list[Request] = []
         decodes = [(r, n) for r, n in scheduled if r.num_pending_tokens == 1]
         prefills = [(r, n) for r, n in scheduled if r.num_pending_tokens > 1]
-        before = sum(len(r.out.token_ids) for r, _ in decodes)
+        before = sum(len(r.out.token_ids) for r, _ in decodes) if spec is not None else 0
         for rows in (decodes, prefills):
             if not rows:
                 continue
@@ -164,7 +164,7 @@ class LLM:
         for r in self.scheduler.running:
             if r.proposal:  # one left from a step that did not schedule the request
                 r.proposal, r.proposal_probs = [], None
-            pending = len(r.token_ids) - r.num_computed_tokens
+            pending = r.num_pending_tokens
             if pending == 1:
                 if r.out.token_ids:
                     decoding.append(r)

@@ -257,17 +257,11 @@ def verify(logits: np.ndarray, proposed: Sequence[int], proposal_probs: np.ndarr
         return _verify_certain(logits, proposed, params, rng)
     kept = []
     for j, x in enumerate(proposed):
-        p = distribution(logits[j], params)
-        q = None if proposal_probs is None else proposal_probs[j]
-        qx = 1.0 if q is None else q[x]
-        if rng.random() * qx < p[x]:  # u < p(x)/q(x), without dividing by a zero q(x)
+        p, q = distribution(logits[j], params), proposal_probs[j]
+        if rng.random() * q[x] < p[x]:  # u < p(x)/q(x), without dividing by a zero q(x)
             kept.append(int(x))
             continue
-        if q is None:
-            residual = p.copy()
-            residual[x] = 0.0
-        else:
-            residual = np.maximum(p - q, 0.0)
+        residual = np.maximum(p - q, 0.0)
         if residual.sum() <= 0.0:  # p == q exactly: any draw from p is right
             residual = p
         return kept + [sample_from(residual / residual.sum(), rng)]
@@ -277,9 +271,8 @@ def verify(logits: np.ndarray, proposed: Sequence[int], proposal_probs: np.ndarr
 def _verify_certain(logits: np.ndarray, proposed: Sequence[int], params: SamplingParams,
                     rng: np.random.Generator) -> list[int]:
     """`verify` of a sampled row whose proposals were certain (q = 1 at x): accept x with
-    probability p(x), else draw from p without x. The same rule and the same draws from `rng` as
-    the dense path, on the sampler's own sparse rows: that path's float64 vocabulary-wide copies
-    cost a verify step as much as its second token (docs/speculative.md)."""
+    probability p(x), else draw from p without x: the rule for q, and as many draws from `rng`,
+    on the sampler's own (possibly filtered) rows instead of dense float64 copies of the vocabulary."""
     kept = []
     for j, x in enumerate(proposed):
         u = rng.random()

@@ -415,9 +415,7 @@ class Speculator:
         seconds = time.perf_counter() - self._started
         measured = self._buckets[bucket]
         # What the step would have output under each smaller cap: a row keeps min(accepted, cap).
-        # (Cap 0 is the common case where speculation loses: its few microseconds a step count.)
-        by_cap = {0: tokens} if measured.cap == 0 else {
-            cap: tokens - sum(a - cap for a in accepted if a > cap) for cap in self.caps if cap <= measured.cap}
+        by_cap = {cap: tokens - sum(a - cap for a in accepted if a > cap) for cap in self.caps if cap <= measured.cap}
         if not measured.record(by_cap, seconds, catch_up):
             return
         if 0 in measured.seconds:
