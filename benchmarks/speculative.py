@@ -65,6 +65,10 @@ def _after_lines(llm: LLM, ids: list[int], lines: int) -> int:
     return len(ids)
 
 
+def _sampled(seed: int, new: int) -> SamplingParams:
+    return SamplingParams(max_tokens=new, ignore_eos=True, temperature=1.0, seed=seed)
+
+
 def _worker(conn, target: str, options: dict) -> None:
     """One configuration in a process of its own: sessions of two LLMs in one process disturb
     each other's thread pools (a plain decode step measured 2x slower next to an idle one)."""
@@ -109,6 +113,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=0)
     parser.add_argument("--fixed", action="store_true", help="also run each proposer with speculative_adaptive off")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workloads", default="grounded,open,random,sampled", help="which of them to time")
     args = parser.parse_args()
 
     options = {"plain": {}, "ngram": dict(speculative="ngram", num_speculative_tokens=args.k)}
@@ -122,10 +127,11 @@ def main() -> None:
     ctx = multiprocessing.get_context("spawn")
     names = list(options)
     loads = workloads(LLM(args.target), args.requests, args.prompt, args.seed)
+    timed = {load: loads[load] for load in args.workloads.split(",")}
     params = SamplingParams(max_tokens=args.new, ignore_eos=True)
-    tpot = {(load, n): [] for load in loads for n in names}
-    stats = {(load, n): [0, 0, 0, 0] for load in loads for n in names}  # proposed, accepted, tokens, steps
-    same = {(load, n): True for load in loads for n in names}
+    tpot = {(load, n): [] for load in timed for n in names}
+    stats = {(load, n): [0, 0, 0, 0] for load in timed for n in names}  # proposed, accepted, tokens, steps
+    same = {(load, n): True for load in timed for n in names}
     rates = {n: [] for n in names}
     batch = (loads["open"] * (args.batch // len(loads["open"]) + 1))[:args.batch]
     for rnd in range(args.rounds):
@@ -135,15 +141,16 @@ def main() -> None:
         for config in configs.values():  # warm: sessions, step shapes, the adaptive rule's first steps
             for prompt in loads["open"][:2] + loads["random"][:2]:
                 config.run([prompt], params)
+            for i, prompt in enumerate(loads["random"][:2]):  # sampled steps are measured apart from greedy ones
+                config.run([prompt], _sampled(10**6 + i, args.new))
             if args.batch:  # the same at the batch size: its shapes, and the rule's first measurements there
                 config.run(batch, params)
-        for load, prompts in loads.items():
+        for load, prompts in timed.items():
             for i, prompt in enumerate(prompts):
                 shift = (i + rnd) % len(names)
                 outs = {}
                 sampled = load == "sampled"
-                p = SamplingParams(max_tokens=args.new, ignore_eos=True, temperature=1.0, seed=rnd * 1000 + i) \
-                    if sampled else params
+                p = _sampled(rnd * 1000 + i, args.new) if sampled else params
                 for n in names[shift:] + names[:shift]:
                     (ids, t, proposed, accepted, num_tokens, steps), = configs[n].run([prompt], p)[0]
                     tpot[load, n].append(t)
@@ -167,7 +174,7 @@ def main() -> None:
           f"(fresh processes each), prompts ~{args.prompt} tokens, {args.new} new, batch 1")
     print(f"{'workload':>9} {'config':>11} {'TPOT ms':>8} {'x plain':>8} {'speed-up':>8} {'accept':>7} {'tok/step':>9} "
           f"{'same':>5}")
-    for load in loads:
+    for load in timed:
         base = statistics.mean(tpot[load, "plain"])
         for n in names:
             mean = statistics.mean(tpot[load, n])

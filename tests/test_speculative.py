@@ -459,6 +459,58 @@ def test_a_held_up_step_does_not_keep_the_best_cap_from_running():
     assert at_k >= 0.95 * steps
 
 
+def test_a_cap_whose_steps_only_sometimes_propose_pays_for_those_steps():
+    """Where rows mostly pause, a cap's steps are plain ones with a dearer one now and then; the
+    dearer ones are its cost and must count (a median step counted none of them)."""
+    bucket = _Bucket([0, 1, 4])
+    for _ in range(60 * PROBE_STEPS):
+        if bucket.cap == 0:
+            bucket.record({0: 1.0}, 1.0)
+        else:  # one step in four proposes, at 3x a plain step, and gains a token
+            for i in range(PROBE_STEPS if bucket.probing else EPOCH):
+                dear = i % 4 == 0
+                bucket.record({c: 1.0 + dear for c in bucket.caps if c <= bucket.cap}, 3.0 if dear else 1.0)
+    assert bucket.best() == 0 and bucket.rates[1] < bucket.rates[0]
+
+
+def test_one_lucky_measurement_does_not_displace_the_best_cap():
+    """A cap measured once at its luckiest is measured again before it runs in place of the best."""
+    bucket = _Bucket([0, 1, 4])
+    lucky, ran = True, 0
+    for _ in range(3000):
+        cap = bucket.cap
+        got = 1.0 if cap == 0 else 0.8  # speculating loses...
+        if cap == 1 and bucket.probing and bucket.running == 0 and lucky:
+            got = 2.0  # ...except over one measurement's steps
+            if len(bucket.steps) == PROBE_STEPS - 1:
+                lucky = False
+        ran += cap != 0 and not bucket.probing
+        bucket.record({c: got for c in bucket.caps if c <= cap}, 1.0)
+    assert not lucky and ran == 0
+
+
+def test_a_new_best_cap_is_measured_against_soon():
+    """While k is far ahead, measuring plain decoding buys a long wait. When a stretch without
+    matches makes plain decoding the best, that wait must not carry over: once matches return, k
+    runs again within a few measurement lengths, not after the wait k's lead had bought."""
+    bucket = _Bucket([0, 1, 4])
+    seconds = {0: 1.0, 1: 1.1, 4: 1.3}
+    matches, none = {0: 1.0, 1: 1.8, 4: 3.5}, {0: 1.0, 1: 1.0, 4: 1.0}
+
+    def step(tokens):
+        bucket.record({c: tokens[c] for c in bucket.caps if c <= bucket.cap}, seconds[bucket.cap])
+
+    while not (bucket.running == 4 and bucket.wait > 300):  # k far ahead, just after a look at plain decoding
+        step(matches)
+    while bucket.running != 0:  # no matches: plain decoding becomes the best
+        step(none)
+    steps = 0
+    while not (bucket.cap == 4 and not bucket.probing):  # matches again
+        step(matches)
+        steps += 1
+    assert steps <= 4 * EPOCH
+
+
 def test_a_drafts_catch_up_is_left_out_of_its_own_step_only():
     """The seconds a draft spends catching up on a new prompt are taken out of that step's time,
     and out of no other: a plain step after it (cap 0, nothing proposed) keeps its whole time."""
@@ -473,11 +525,11 @@ def test_a_drafts_catch_up_is_left_out_of_its_own_step_only():
             return 0.02
 
     spec = Speculator(CatchingUp(), 4)
-    row = SimpleNamespace(request_id="a", proposal=[], proposal_probs=None)
+    row = SimpleNamespace(request_id="a", proposal=[], proposal_probs=None, params=SamplingParams())
     steps = []  # (the step's cap, its recorded seconds)
     for _ in range(40):
         spec.propose([row], lambda r: 100)
-        bucket = spec._buckets[1]
+        bucket = spec._buckets[False, 1]
         cap = bucket.cap
         time.sleep(0.001)  # the step's own work
         spec.step_done(1)
@@ -485,6 +537,32 @@ def test_a_drafts_catch_up_is_left_out_of_its_own_step_only():
             steps.append((cap, bucket.steps[-1]))
     assert {cap for cap, _ in steps} >= {0, 4}
     assert all(0.0009 < seconds < 0.015 for _, seconds in steps)  # whole, and without the 20 ms
+
+
+def test_sampled_rows_choose_their_cap_on_their_own_measurements():
+    """Greedy steps that found k the best say nothing about sampled ones, where proposals are
+    accepted by p/q and cost more to check: a sampled step starts its own measurements."""
+    from types import SimpleNamespace
+
+    class Proposing:
+        def propose(self, rows, ks):
+            for r, k in zip(rows, ks):
+                r.proposal, r.proposal_probs = [0] * k, None
+            return 0.0
+
+    spec = Speculator(Proposing(), 4)
+    greedy = SimpleNamespace(request_id="g", proposal=[], proposal_probs=None, params=SamplingParams())
+    for _ in range(3 * PROBE_STEPS + EPOCH):  # every proposal kept: k is by far the best
+        spec.propose([greedy], lambda r: 100)
+        spec.verified(greedy, len(greedy.proposal), len(greedy.proposal))
+        spec.step_done(1 + len(greedy.proposal))
+    assert spec._buckets[False, 1].best() == 4
+    sampled = SimpleNamespace(request_id="s", proposal=[], proposal_probs=None,
+                              params=SamplingParams(temperature=1.0))
+    spec.propose([sampled], lambda r: 100)  # measured from the start: one token, not the greedy steps' 4
+    assert len(sampled.proposal) == 1 and not spec._buckets[True, 1].seconds
+    spec.propose([greedy, sampled], lambda r: 100)  # a batch with a sampled row is a sampled step
+    assert (True, 2) in spec._buckets and (False, 2) not in spec._buckets
 
 
 def test_sliding_window_model_speculates_losslessly(engines):

@@ -42,8 +42,9 @@ MIN_GAIN = 1.05  # speculate only when its measured tokens per second beat plain
 EPOCH = 16  # decode steps the best cap runs between looks at the choice
 PROBE_STEPS = 4  # decode steps of a measurement of another cap: short, since a bad cap costs while measured
 EPOCH_DECAY = 0.5  # weight of a cap's earlier epochs against its latest
-LOSS_BUDGET = 0.01  # the share of decoding time that measuring caps other than the best may lose
+LOSS_BUDGET = 0.005  # the share of decoding time that measuring caps other than the best may lose (0.01 until 2026-11-27)
 PROBE_WAIT = 8  # decoding at the best cap between measurements, in multiples of the last one's time, at least
+HELD_UP = 8  # a step this many times its epoch's median was held up by something else; a draft's k = 8 took ~5
 # New tokens a draft row's first proposal call feeds itself: after a step that kept every proposal
 # there are two (the last proposal, never fed, and the target's token), and one call is cheaper
 # than a catch-up call and a proposal call.
@@ -133,7 +134,7 @@ class DraftProposer:
 
     def propose(self, rows: list[Request], ks: list[int]) -> float:
         """Set each row's proposal of up to k tokens; returns the seconds the draft spent catching
-        up on the rows' new tokens before proposing (a new prompt's, mostly)."""
+        up on new prompts before proposing (its share of the catch-up by tokens)."""
         live = []
         for r, k in zip(rows, ks):
             r.proposal, r.proposal_probs = [], None
@@ -145,7 +146,13 @@ class DraftProposer:
                 live.append((r, k))
         if not live:
             return 0.0
-        caught_up = self._prefill([(r, self._seqs[r.request_id]) for r, _ in live])
+        seqs = [self._seqs[r.request_id] for r, _ in live]
+        behind = [max(len(s.token_ids) - CATCH_UP - s.num_computed_tokens, 0) for s in seqs]
+        # Only a new prompt's catch-up is set apart, as a cost paid once per request. Catching up on
+        # what a row skipped while it paused is what proposing again costs, and set apart too it
+        # hid half of a draft's cost where rows paused and resumed (docs/speculative.md).
+        new = sum(n for n, s in zip(behind, seqs) if s.num_computed_tokens == 0)
+        caught_up = self._prefill(seqs) * new / sum(behind) if new else 0.0
         # Each draft call feeds every row's newest token and reads its next one.
         probs: dict[str, list[np.ndarray]] = {r.request_id: [] for r, _ in live}
         for j in range(max(k for _, k in live)):
@@ -197,12 +204,12 @@ class DraftProposer:
         self.blocks.append(s, need)
         return True
 
-    def _prefill(self, live: list[tuple[Request, _DraftSeq]]) -> float:
+    def _prefill(self, seqs: list[_DraftSeq]) -> float:
         """Compute all but the last CATCH_UP of each row's new tokens in chunks (the first proposal
         call feeds those and reads the last one's logits); returns the seconds it took."""
         start = time.perf_counter()
         while True:
-            rows = [s for _, s in live if len(s.token_ids) - CATCH_UP - s.num_computed_tokens > 0]
+            rows = [s for s in seqs if len(s.token_ids) - CATCH_UP - s.num_computed_tokens > 0]
             if not rows:
                 return time.perf_counter() - start
             chunks = [s.token_ids[s.num_computed_tokens:len(s.token_ids) - CATCH_UP][:self.chunk] for s in rows]
@@ -261,8 +268,15 @@ class _Bucket:
         self.caps = caps
         self.seconds: dict[int, _Mean] = {}  # per cap: seconds a step
         self.tokens: dict[int, _Mean] = {}  # per cap: output tokens a step
-        self.cap = caps[0]  # the cap of the running epoch
+        # The first measurements speculate first and decode plainly last: a process's first steps
+        # at a batch size, or its first sampled ones, run cold code, and measured first plain
+        # decoding looked 1.5x slower than it was, long enough for a cap that lost to run.
+        self.first = caps[1:] + caps[:1]
+        self.cap = self.first[0]  # the cap of the running epoch
         self.probing = True  # the running epoch measures a cap rather than uses the best
+        self.running: int | None = None  # the cap that runs between measurements, once all are measured
+        self.confirming = False  # the running epoch repeats a measurement that made its cap the best
+        self.unconfirmed: tuple[dict, dict] = ({}, {})  # seconds and tokens from before the last epoch
         self.epoch_tokens: dict[int, float] = {}  # the running epoch's tokens, per cap up to its own
         self.steps: list[float] = []  # the running epoch's steps' seconds
         self.catch_up = 0.0  # the running epoch's draft catch-up seconds
@@ -286,11 +300,18 @@ class _Bucket:
         steps = len(self.steps)
         if steps < (PROBE_STEPS if self.probing else EPOCH):
             return False
-        # The epoch's median step, not its mean: one step that a page fault or another process held
-        # up says nothing about the cap, and counted in full it made a cap far behind the best for
-        # the long wait after its measurement (a best cap then never ran again: test_speculative).
+        # A step over HELD_UP times the epoch's median counts as the median: a page fault or another
+        # process held it up, which says nothing about the cap, and counted in full it made a cap far
+        # behind the best for the long wait after its measurement (a best cap then never ran again:
+        # test_speculative). Every other step counts in full, not as the median: where only some
+        # rows propose, a cap's steps are a mix of plain ones and dearer ones, and the median, a
+        # plain step, made a draft that cost 1.6x plain decoding look the best for hundreds of steps.
         # statistics', not numpy's: run cold after a step, numpy's took up to 0.15 ms.
-        spent = statistics.median(self.steps) * steps
+        median = statistics.median(self.steps)
+        spent = sum(t if t <= HELD_UP * median else median for t in self.steps)
+        if self.confirming:  # the repeat replaces the measurement it repeats
+            self.seconds, self.tokens = self.unconfirmed
+        self.unconfirmed = self.seconds.copy(), self.tokens.copy()  # (a _Mean is never changed in place)
         self.seconds[self.cap] = self.seconds.get(self.cap, _Mean()).add(spent, steps)
         for cap, got in self.epoch_tokens.items():
             self.tokens[cap] = self.tokens.get(cap, _Mean()).add(got, steps)
@@ -315,10 +336,26 @@ class _Bucket:
         """The next epoch's cap, and whether it measures: a cap not yet measured, or one that is
         not the best once the wait after the last measurement has passed (a cap close to the best
         is measured again soon, one far behind it rarely)."""
-        unmeasured = [c for c in self.caps if c not in self.seconds]
+        unmeasured = [c for c in self.first if c not in self.seconds]
         if unmeasured:
             return unmeasured[0], True
         best = self.best()
+        # A measurement that makes its cap displace the running one is taken again, and the repeat
+        # replaces it: over a few steps where proposals mostly miss, one lucky stretch made a cap
+        # look best, and it then ran epochs at a loss before its rate came back down
+        # (docs/speculative.md).
+        confirm = (self.probing and not self.confirming and self.running is not None
+                   and best == self.cap and best != self.running)
+        self.confirming = confirm
+        if confirm:
+            return best, True
+        if self.running is not None and best != self.running:
+            # The wait was bought at the old best, against its rate; the others are measured against
+            # the new one soon. Carried over, a wait that measuring plain decoding had bought while
+            # k was far ahead kept plain decoding on for hundreds of steps after a stretch of text
+            # without matches made it the best (docs/speculative.md).
+            self.wait = min(self.wait, PROBE_WAIT * PROBE_STEPS * self.seconds[best].value)
+        self.running = best
         if self.wait > 0:
             return best, False
         others = [c for c in self.caps if c != best]
@@ -338,14 +375,14 @@ class Speculator:
         # acceptance**j >= MIN_CHANCE exactly when acceptance >= MIN_CHANCE**(1/j): the j-th bar.
         self._bars = [MIN_CHANCE ** (1 / j) for j in range(1, max_tokens + 1)]
         self._rows: dict[str, _RowState] = {}
-        self._buckets: dict[int, _Bucket] = {}
-        self._lost: set[int] = set()  # batch buckets where speculating measured no faster
-        self._pending: int | None = None  # the running step's batch bucket, when it is measured
+        self._buckets: dict[tuple[bool, int], _Bucket] = {}
+        self._lost: set[tuple[bool, int]] = set()  # buckets where speculating measured no faster
+        self._pending: tuple[bool, int] | None = None  # the running step's bucket, when it is measured
         self._started = 0.0
         self._accepted: list[int] = []  # the running step's kept proposals, per verified row
-        # Per bucket: decode plainly, unmeasured, until then. Where plain decoding is the best and no
+        # Per bucket: steps left to decode plainly, unmeasured. Where plain decoding is the best and no
         # measurement is due, timing each step was all the speculator cost, and a measurable share.
-        self._plain_until: dict[int, float] = {}
+        self._resting: dict[tuple[bool, int], int] = {}
         self._catch_up = 0.0  # the running step's draft catch-up, in seconds
 
     def propose(self, decoding: list[Request], remaining) -> None:
@@ -354,8 +391,9 @@ class Speculator:
         self._started = time.perf_counter()
         cap = self.max_tokens
         if self.adaptive:
-            bucket = _bucket(len(decoding))
-            if self._lost and min(self._lost) < bucket:  # verifying costs more the larger the batch
+            bucket = _bucket(decoding)
+            # Verifying costs more the larger the batch: where a smaller one lost, this one does not try.
+            if any(kind == bucket[0] and size < bucket[1] for kind, size in self._lost):
                 return
             self._pending = bucket
             measured = self._buckets.get(bucket)
@@ -371,10 +409,17 @@ class Speculator:
         self._catch_up = self.proposer.propose(decoding, ks)
         self._started += self._catch_up
 
-    def resting(self, batch: int) -> bool:
-        """True while plain decoding is the best at this batch size and no measurement is due: the
-        step runs without the speculator."""
-        return self.adaptive and self._plain_until.get(_bucket(batch), 0.0) > time.perf_counter()
+    def resting(self, running: list[Request]) -> bool:
+        """True while plain decoding is the best for these rows and no measurement is due: the step
+        runs without the speculator."""
+        if not self.adaptive or not self._resting:
+            return False
+        bucket = _bucket(running)
+        left = self._resting.get(bucket, 0)
+        if left <= 0:
+            return False
+        self._resting[bucket] = left - 1
+        return True
 
     def _wanted(self, r: Request) -> int:
         """The request's own proposal length: the j-th token only while acceptance**j is at least
@@ -424,9 +469,11 @@ class Speculator:
             else:
                 self._lost.discard(bucket)
         if measured.cap == 0 and not measured.probing and measured.wait > 0:
-            # The wait runs on the clock instead; the epoch of plain decoding after it is measured,
-            # so the next probe is compared with a fresh rate.
-            self._plain_until[bucket] = time.perf_counter() + measured.wait
+            # The wait runs in unmeasured steps instead; the epoch of plain decoding after it is
+            # measured, so the next probe is compared with a fresh rate. Counted in steps, not on
+            # the clock: a process that is idle or serving other rows between requests would
+            # otherwise wait out the rest in no steps, and probe at every request.
+            self._resting[bucket] = round(measured.wait / measured.seconds[0].value)
             measured.wait = 0.0
 
     def release(self, r: Request) -> None:
@@ -434,9 +481,13 @@ class Speculator:
         self.proposer.release(r)
 
 
-def _bucket(batch: int) -> int:
-    """Batch sizes share step times by the power of two at or above them."""
-    return 1 << (batch - 1).bit_length()
+def _bucket(rows: list[Request]) -> tuple[bool, int]:
+    """The steps that share measurements: by whether any row samples, and by the power of two at or
+    above the batch size. Sampling changes both sides of the trade: a proposal is accepted with
+    probability min(1, p/q), not when it is the argmax, and a sampled row's proposing and verifying
+    work on distributions; measured together, a switch from greedy to sampled requests ran the
+    greedy requests' best cap for dozens of steps at twice a plain step's time (docs/speculative.md)."""
+    return any(not r.params.greedy for r in rows), 1 << (len(rows) - 1).bit_length()
 
 
 def make_speculator(options, target: Engine, tokenizer_file: Path) -> Speculator | None:
