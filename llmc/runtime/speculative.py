@@ -275,13 +275,14 @@ class _Bucket:
         self.cap = self.first[0]  # the cap of the running epoch
         self.probing = True  # the running epoch measures a cap rather than uses the best
         self.running: int | None = None  # the cap that runs between measurements, once all are measured
-        self.confirming = False  # the running epoch repeats a measurement that made its cap the best
-        self.unconfirmed: tuple[dict, dict] = ({}, {})  # seconds and tokens from before the last epoch
         self.epoch_tokens: dict[int, float] = {}  # the running epoch's tokens, per cap up to its own
         self.steps: list[float] = []  # the running epoch's steps' seconds
         self.catch_up = 0.0  # the running epoch's draft catch-up seconds
-        self.wait = 0.0  # seconds of decoding at the best cap before the next probe
-        self.turn = 0  # which of the other caps the next probe measures
+        # Per cap: seconds of decoding at the best cap before it is measured again. Each cap has its
+        # own: with one wait, set by whichever cap was measured last, a long one that plain
+        # decoding had bought also kept k from being measured again after one bad measurement.
+        self.waits: dict[int, float] = {}
+        self.costs: dict[int, float] = {}  # per cap: the seconds its last measurement took
 
     @property
     def rates(self) -> dict[int, float]:
@@ -309,18 +310,21 @@ class _Bucket:
         # statistics', not numpy's: run cold after a step, numpy's took up to 0.15 ms.
         median = statistics.median(self.steps)
         spent = sum(t if t <= HELD_UP * median else median for t in self.steps)
-        if self.confirming:  # the repeat replaces the measurement it repeats
-            self.seconds, self.tokens = self.unconfirmed
-        self.unconfirmed = self.seconds.copy(), self.tokens.copy()  # (a _Mean is never changed in place)
         self.seconds[self.cap] = self.seconds.get(self.cap, _Mean()).add(spent, steps)
         for cap, got in self.epoch_tokens.items():
             self.tokens[cap] = self.tokens.get(cap, _Mean()).add(got, steps)
-        if self.probing:  # wait so that measuring costs at most LOSS_BUDGET of the time
-            spent += self.catch_up
-            loss = max(0.0, 1.0 - self.epoch_tokens[self.cap] / spent / max(self.rates.values()))
-            self.wait = spent * max(PROBE_WAIT, loss / LOSS_BUDGET)
+        if self.probing:  # the cap waits so that measuring it costs at most LOSS_BUDGET of the time
+            # The loss is the cap's pooled rate's, not this epoch's own: over 4 steps of text that
+            # comes in bursts, one epoch without matches said k lost 20% where it was 2x ahead,
+            # and the wait it bought kept plain decoding on for five requests (docs/speculative.md).
+            self.costs[self.cap] = spent + self.catch_up
+            if len(self.seconds) == len(self.caps):  # (the first measurements wait for the last one)
+                rates = self.rates
+                for cap in [self.cap] if self.waits else self.caps:
+                    loss = max(0.0, 1.0 - rates[cap] / max(rates.values()))
+                    self.waits[cap] = self.costs[cap] * max(PROBE_WAIT, loss / LOSS_BUDGET)
         else:
-            self.wait -= spent
+            self.decoded(spent)
         self.cap, self.probing = self._next()
         self.epoch_tokens, self.steps, self.catch_up = {}, [], 0.0
         return True
@@ -340,27 +344,25 @@ class _Bucket:
         if unmeasured:
             return unmeasured[0], True
         best = self.best()
-        # A measurement that makes its cap displace the running one is taken again, and the repeat
-        # replaces it: over a few steps where proposals mostly miss, one lucky stretch made a cap
-        # look best, and it then ran epochs at a loss before its rate came back down
-        # (docs/speculative.md).
-        confirm = (self.probing and not self.confirming and self.running is not None
-                   and best == self.cap and best != self.running)
-        self.confirming = confirm
-        if confirm:
-            return best, True
         if self.running is not None and best != self.running:
-            # The wait was bought at the old best, against its rate; the others are measured against
-            # the new one soon. Carried over, a wait that measuring plain decoding had bought while
-            # k was far ahead kept plain decoding on for hundreds of steps after a stretch of text
-            # without matches made it the best (docs/speculative.md).
-            self.wait = min(self.wait, PROBE_WAIT * PROBE_STEPS * self.seconds[best].value)
+            # The waits were bought at the old best, against its rate; the others are measured
+            # against the new one soon. Carried over, a wait that measuring plain decoding had bought
+            # while k was far ahead kept plain decoding on for hundreds of steps after a stretch of
+            # text without matches made it the best (docs/speculative.md).
+            soon = PROBE_WAIT * PROBE_STEPS * self.seconds[best].value
+            self.waits = {cap: min(wait, soon) for cap, wait in self.waits.items()}
         self.running = best
-        if self.wait > 0:
-            return best, False
-        others = [c for c in self.caps if c != best]
-        self.turn = (self.turn + 1) % len(others)
-        return others[self.turn], True
+        due = min((c for c in self.caps if c != best), key=lambda c: self.waits.get(c, 0.0))
+        return (due, True) if self.waits.get(due, 0.0) <= 0 else (best, False)
+
+    @property
+    def wait(self) -> float:
+        """Seconds of decoding at the best cap before the next measurement is due."""
+        return min(self.waits.get(c, 0.0) for c in self.caps if c != self.running)
+
+    def decoded(self, seconds: float) -> None:
+        """Count seconds of decoding at the best cap toward every cap's wait."""
+        self.waits = {cap: wait - seconds for cap, wait in self.waits.items()}
 
 
 class Speculator:
@@ -468,13 +470,13 @@ class Speculator:
                 self._lost.add(bucket)
             else:
                 self._lost.discard(bucket)
-        if measured.cap == 0 and not measured.probing and measured.wait > 0:
+        if measured.cap == 0 and not measured.probing and (wait := measured.wait) > 0:
             # The wait runs in unmeasured steps instead; the epoch of plain decoding after it is
             # measured, so the next probe is compared with a fresh rate. Counted in steps, not on
             # the clock: a process that is idle or serving other rows between requests would
             # otherwise wait out the rest in no steps, and probe at every request.
-            self._resting[bucket] = round(measured.wait / measured.seconds[0].value)
-            measured.wait = 0.0
+            self._resting[bucket] = round(wait / measured.seconds[0].value)
+            measured.decoded(wait)
 
     def release(self, r: Request) -> None:
         self._rows.pop(r.request_id, None)
