@@ -314,9 +314,10 @@ class _Bucket:
         for cap, got in self.epoch_tokens.items():
             self.tokens[cap] = self.tokens.get(cap, _Mean()).add(got, steps)
         if self.probing:  # the cap waits so that measuring it costs at most LOSS_BUDGET of the time
-            # The loss is the cap's pooled rate's, not this epoch's own: over 4 steps of text that
-            # comes in bursts, one epoch without matches said k lost 20% where it was 2x ahead,
-            # and the wait it bought kept plain decoding on for five requests (docs/speculative.md).
+            # The loss is the cap's pooled rate's, not this epoch's own: over 4 steps of text whose
+            # matches come in bursts, one epoch without them measured k at half plain decoding's
+            # rate where it was 2x ahead, and the wait it bought kept plain decoding on for six
+            # requests (docs/speculative.md).
             self.costs[self.cap] = spent + self.catch_up
             if len(self.seconds) == len(self.caps):  # (the first measurements wait for the last one)
                 rates = self.rates
@@ -338,8 +339,8 @@ class _Bucket:
 
     def _next(self) -> tuple[int, bool]:
         """The next epoch's cap, and whether it measures: a cap not yet measured, or one that is
-        not the best once the wait after the last measurement has passed (a cap close to the best
-        is measured again soon, one far behind it rarely)."""
+        not the best once its own wait has passed (a cap close to the best is measured again soon,
+        one far behind it rarely)."""
         unmeasured = [c for c in self.first if c not in self.seconds]
         if unmeasured:
             return unmeasured[0], True
