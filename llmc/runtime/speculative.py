@@ -11,9 +11,9 @@ Adaptive: each request estimates how often a proposed token is accepted (given t
 it were) and proposes the j-th token only while that chance to the power j is at least
 MIN_CHANCE, pausing with a backoff below it. Per step, the cap on the proposal length (none, one
 token or k) is the one with the most output tokens per second of whole steps measured on this
-engine at this batch size, over epochs of several steps; so speculation steps aside where
-verifying costs more than it gains (large batches, misses, a draft that is slow for what it gets
-right). docs/speculative.md has the numbers.
+engine at this batch size, greedy or sampled, over epochs of several steps; so speculation steps
+aside where verifying costs more than it gains (large batches, misses, a draft that is slow for
+what it gets right). docs/speculative.md has the numbers.
 """
 
 from __future__ import annotations
