@@ -127,6 +127,9 @@ def main() -> None:
     ctx = multiprocessing.get_context("spawn")
     names = list(options)
     loads = workloads(LLM(args.target), args.requests, args.prompt, args.seed)
+    unknown = set(args.workloads.split(",")) - set(loads)
+    if unknown:
+        parser.error(f"--workloads: unknown {', '.join(sorted(unknown))}; choose from {', '.join(loads)}")
     timed = {load: loads[load] for load in args.workloads.split(",")}
     params = SamplingParams(max_tokens=args.new, ignore_eos=True)
     tpot = {(load, n): [] for load in timed for n in names}

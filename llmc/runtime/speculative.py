@@ -42,7 +42,7 @@ MIN_GAIN = 1.05  # speculate only when its measured tokens per second beat plain
 EPOCH = 16  # decode steps the best cap runs between looks at the choice
 PROBE_STEPS = 4  # decode steps of a measurement of another cap: short, since a bad cap costs while measured
 EPOCH_DECAY = 0.5  # weight of a cap's earlier epochs against its latest
-LOSS_BUDGET = 0.005  # the share of decoding time that measuring caps other than the best may lose (0.01 until 2026-11-27)
+LOSS_BUDGET = 0.005  # the share of decoding time measuring each cap other than the best may lose (0.01 until 11-27)
 PROBE_WAIT = 8  # decoding at the best cap between measurements, in multiples of the last one's time, at least
 HELD_UP = 8  # a step this many times its epoch's median was held up by something else; a draft's k = 8 took ~5
 # New tokens a draft row's first proposal call feeds itself: after a step that kept every proposal
@@ -147,12 +147,12 @@ class DraftProposer:
         if not live:
             return 0.0
         seqs = [self._seqs[r.request_id] for r, _ in live]
-        behind = [max(len(s.token_ids) - CATCH_UP - s.num_computed_tokens, 0) for s in seqs]
         # Only a new prompt's catch-up is set apart, as a cost paid once per request. Catching up on
         # what a row skipped while it paused is what proposing again costs, and set apart too it
         # hid half of a draft's cost where rows paused and resumed (docs/speculative.md).
-        new = sum(n for n, s in zip(behind, seqs) if s.num_computed_tokens == 0)
-        caught_up = self._prefill(seqs) * new / sum(behind) if new else 0.0
+        new = sum(_behind(s) for s in seqs if s.num_computed_tokens == 0)
+        behind = sum(_behind(s) for s in seqs)
+        caught_up = self._prefill(seqs) * new / behind if new else 0.0
         # Each draft call feeds every row's newest token and reads its next one.
         probs: dict[str, list[np.ndarray]] = {r.request_id: [] for r, _ in live}
         for j in range(max(k for _, k in live)):
@@ -209,7 +209,7 @@ class DraftProposer:
         call feeds those and reads the last one's logits); returns the seconds it took."""
         start = time.perf_counter()
         while True:
-            rows = [s for s in seqs if len(s.token_ids) - CATCH_UP - s.num_computed_tokens > 0]
+            rows = [s for s in seqs if _behind(s) > 0]
             if not rows:
                 return time.perf_counter() - start
             chunks = [s.token_ids[s.num_computed_tokens:len(s.token_ids) - CATCH_UP][:self.chunk] for s in rows]
@@ -224,6 +224,11 @@ class DraftProposer:
             self.blocks.free(s)
         if self.lookup is not None:
             self.lookup.release(r)
+
+
+def _behind(s: _DraftSeq) -> int:
+    """The tokens a draft sequence's catch-up prefills: all it has not computed but the last CATCH_UP."""
+    return max(len(s.token_ids) - CATCH_UP - s.num_computed_tokens, 0)
 
 
 @dataclass
@@ -256,13 +261,14 @@ class _Mean:
 
 
 class _Bucket:
-    """The choice of cap at one batch-size bucket, measured in epochs of several decode steps
-    (EPOCH at the best cap, PROBE_STEPS measuring another), so the step-to-step noise of a shared
-    machine and the mix of requests average out. A cap's rate is its output tokens a step over its
-    seconds a step. The seconds come from its own epochs, the tokens also from every larger cap's,
-    counted as if those steps had run at it (a row that kept a proposals would have kept
-    min(a, cap)): caps are compared on the same text, not each on the stretch it happened to be
-    measured on, where a lucky probe of a smaller cap could displace the best for a while."""
+    """The choice of cap for one bucket of steps (batch size, greedy or sampled), measured in epochs
+    of several decode steps (EPOCH at the best cap, PROBE_STEPS measuring another), so the
+    step-to-step noise of a shared machine and the mix of requests average out. A cap's rate is its
+    output tokens a step over its seconds a step. The seconds come from its own epochs, the tokens
+    also from every larger cap's, counted as if those steps had run at it (a row that kept a
+    proposals would have kept min(a, cap)): caps are compared on the same text, not each on the
+    stretch it happened to be measured on, where a lucky probe of a smaller cap could displace the
+    best for a while."""
 
     def __init__(self, caps: list[int]):
         self.caps = caps
