@@ -620,3 +620,43 @@ def test_token_logprob_is_the_raw_log_softmax():
     assert entry.top == ((3, pytest.approx(expected[3])), (0, pytest.approx(expected[0])))
     with pytest.raises(RequestError, match="logprobs must be an int from 0 to 20"):
         SamplingParams(logprobs=21)
+
+
+def test_where_plain_decoding_is_best_the_speculator_only_times_the_steps(monkeypatch):
+    """Proposals that always miss, at 1.5x a plain step: plain decoding wins, and between the
+    measurements of the other caps a step costs the speculator its timing alone. Plain decoding's
+    own rate is measured on those steps, not in an epoch of the speculator's bookkeeping after each
+    wait."""
+    from types import SimpleNamespace
+
+    import llmc.runtime.speculative as speculative
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(speculative.time, "perf_counter", lambda: clock.now)
+
+    class Missing:
+        def propose(self, rows, ks):
+            for r, k in zip(rows, ks):
+                r.proposal, r.proposal_probs = [0] * k, None
+            return 0.0
+
+        def release(self, r):
+            pass
+
+    spec = Speculator(Missing(), 4)
+    row = SimpleNamespace(request_id="a", proposal=[], proposal_probs=None, params=SamplingParams())
+    steps, bookkept = 3000, 0
+    for i in range(steps):
+        if i % 100 == 0:  # a new request every 100 steps: its estimate starts hopeful
+            spec.release(row)
+        if not spec.plain([row]):
+            bookkept += 1
+            spec.propose([row], lambda r: 100)
+        proposed = len(row.proposal)
+        clock.now += 1.5 if proposed else 1.0
+        if proposed:
+            spec.verified(row, proposed, 0)
+        row.proposal = []
+        spec.step_done(1)
+    assert spec._buckets[False, 1].best() == 0
+    assert bookkept < 0.05 * steps  # 10% when plain decoding was measured in epochs of its own

@@ -128,9 +128,7 @@ class LLM:
     def step(self) -> list[Request]:
         """Run one engine step; returns the requests that got a token (or finished) in it."""
         spec = self.speculator
-        if spec is not None and spec.resting(self.scheduler.running):
-            spec = None  # plain decoding, unmeasured: not even the speculator's bookkeeping
-        if spec is not None:
+        if spec is not None and not spec.plain(self.scheduler.running):
             self._propose()
         scheduled = self.scheduler.schedule()
         updated: list[Request] = []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import statistics
 import time
 from collections import deque
@@ -289,6 +290,7 @@ class _Bucket:
         # decoding had bought also kept k from being measured again after one bad measurement.
         self.waits: dict[int, float] = {}
         self.costs: dict[int, float] = {}  # per cap: the seconds its last measurement took
+        self.length = PROBE_STEPS  # the running epoch's steps
 
     @property
     def rates(self) -> dict[int, float]:
@@ -305,7 +307,7 @@ class _Bucket:
         self.steps.append(seconds)
         self.catch_up += catch_up
         steps = len(self.steps)
-        if steps < (PROBE_STEPS if self.probing else EPOCH):
+        if steps < self.length:
             return False
         # A step over HELD_UP times the epoch's median counts as the median: a page fault or another
         # process held it up, which says nothing about the cap, and counted in full it made a cap far
@@ -333,8 +335,21 @@ class _Bucket:
         else:
             self.decoded(spent)
         self.cap, self.probing = self._next()
+        self.length = self._length()
         self.epoch_tokens, self.steps, self.catch_up = {}, [], 0.0
         return True
+
+    def _length(self) -> int:
+        """The next epoch's steps: a measurement's few, EPOCH at a speculating best, and at plain
+        decoding all the steps until the next measurement is due. A plain step costs nothing to
+        measure but its timing (`Speculator.plain`), so plain decoding's rate is measured over the
+        whole wait, not in an epoch of its own after it, whose steps ran the speculator's
+        bookkeeping: where proposals missed, measurements came often, and so did those epochs."""
+        if self.probing:
+            return PROBE_STEPS
+        if self.cap:
+            return EPOCH
+        return max(EPOCH, math.ceil(self.wait / self.seconds[0].value))
 
     def best(self) -> int:
         """The measured cap with the most tokens per second; speculating must beat plain
@@ -389,9 +404,6 @@ class Speculator:
         self._pending: tuple[bool, int] | None = None  # the running step's bucket, when it is measured
         self._started = 0.0
         self._accepted: list[int] = []  # the running step's kept proposals, per verified row
-        # Per bucket: steps left to decode plainly, unmeasured. Where plain decoding is the best and no
-        # measurement is due, timing each step was all the speculator cost, and a measurable share.
-        self._resting: dict[tuple[bool, int], int] = {}
         self._catch_up = 0.0  # the running step's draft catch-up, in seconds
 
     def propose(self, decoding: list[Request], remaining) -> None:
@@ -418,16 +430,20 @@ class Speculator:
         self._catch_up = self.proposer.propose(decoding, ks)
         self._started += self._catch_up
 
-    def resting(self, running: list[Request]) -> bool:
-        """True while plain decoding is the best for these rows and no measurement is due: the step
-        runs without the speculator."""
-        if not self.adaptive or not self._resting:
+    def plain(self, running: list[Request]) -> bool:
+        """True when these rows decode plainly this step, so it needs no proposals: their bucket's
+        cap is none (the step is timed for it), or a smaller batch of their kind found speculating
+        no faster. The step then runs without the speculator's bookkeeping, which was a measurable
+        share of a small model's plain step."""
+        if not self.adaptive:
             return False
         bucket = _bucket(running)
-        left = self._resting.get(bucket, 0)
-        if left <= 0:
+        if any(kind == bucket[0] and size < bucket[1] for kind, size in self._lost):
+            return True
+        measured = self._buckets.get(bucket)
+        if measured is None or measured.cap:
             return False
-        self._resting[bucket] = left - 1
+        self._pending, self._started = bucket, time.perf_counter()
         return True
 
     def _wanted(self, r: Request) -> int:
@@ -477,13 +493,6 @@ class Speculator:
                 self._lost.add(bucket)
             else:
                 self._lost.discard(bucket)
-        if measured.cap == 0 and not measured.probing and (wait := measured.wait) > 0:
-            # The wait runs in unmeasured steps instead; the epoch of plain decoding after it is
-            # measured, so the next probe is compared with a fresh rate. Counted in steps, not on
-            # the clock: a process that is idle or serving other rows between requests would
-            # otherwise wait out the rest in no steps, and probe at every request.
-            self._resting[bucket] = round(wait / measured.seconds[0].value)
-            measured.decoded(wait)
 
     def release(self, r: Request) -> None:
         self._rows.pop(r.request_id, None)
