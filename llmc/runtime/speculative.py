@@ -413,8 +413,7 @@ class Speculator:
         cap = self.max_tokens
         if self.adaptive:
             bucket = _bucket(decoding)
-            # Verifying costs more the larger the batch: where a smaller one lost, this one does not try.
-            if any(kind == bucket[0] and size < bucket[1] for kind, size in self._lost):
+            if self._outgrown(bucket):
                 return
             self._pending = bucket
             measured = self._buckets.get(bucket)
@@ -438,13 +437,18 @@ class Speculator:
         if not self.adaptive:
             return False
         bucket = _bucket(running)
-        if any(kind == bucket[0] and size < bucket[1] for kind, size in self._lost):
+        if self._outgrown(bucket):
             return True
         measured = self._buckets.get(bucket)
         if measured is None or measured.cap:
             return False
         self._pending, self._started = bucket, time.perf_counter()
         return True
+
+    def _outgrown(self, bucket: tuple[bool, int]) -> bool:
+        """True when a smaller batch of the bucket's kind found speculating no faster: verifying
+        costs more the larger the batch, so this one does not try."""
+        return any(kind == bucket[0] and size < bucket[1] for kind, size in self._lost)
 
     def _wanted(self, r: Request) -> int:
         """The request's own proposal length: the j-th token only while acceptance**j is at least
