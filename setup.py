@@ -7,11 +7,18 @@ succeeds and engines are built from standard ONNX ops instead.
 
 from setuptools import Extension, setup
 
+try:  # the sources compile concurrently: attention.c alone takes most of the build (docs/architecture.md, "Tests and CI")
+    from pybind11.setup_helpers import ParallelCompile
+
+    ParallelCompile("LLMC_BUILD_JOBS").install()
+except ImportError:  # `python setup.py build_ext` outside pip's build environment: one at a time
+    pass
+
 CPU = "llmc/plugins/cpu/"
 
 setup(ext_modules=[Extension(
     "llmc.plugins.cpu._cpu_ops",
-    sources=[CPU + "cpu_ops.c", CPU + "attention.c", CPU + "linear.c", CPU + "quant.c"],
+    sources=[CPU + "attention.c", CPU + "linear.c", CPU + "quant.c", CPU + "cpu_ops.c"],
     depends=[CPU + "kernels.h", CPU + "simd.h", CPU + "ort_abi.h"],
     # -fopenmp-simd honours the `omp simd` loops without linking an OpenMP runtime (ORT owns the
     # threads); -ffp-contract=fast because -std=c11 otherwise forbids fusing `a += x * w` into one

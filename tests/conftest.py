@@ -7,6 +7,7 @@ verification on, so each build also checks every pass numerically.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from pathlib import Path
 
@@ -28,6 +29,37 @@ def _recipe_cache(tmp_path_factory):
     if "LLMC_CACHE" not in os.environ:
         os.environ["LLMC_CACHE"] = str(tmp_path_factory.mktemp("llmc-cache"))
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _export_each_checkpoint_once():
+    """torch.export is two thirds of the suite's time, and most builds export a checkpoint that an
+    earlier build of the session already did (one engine per weight format, KV dtype or pass set).
+    An export is a function of the checkpoint alone, so each one is exported once and every later
+    build of the same folder, config and weights gets a copy of that graph, deserialized afresh
+    (no tensor is shared with a graph an earlier build's passes rewrote)."""
+    import onnx
+    import onnx_ir as ir
+
+    from llmc.compiler import export
+
+    real, graphs = export.export_onnx, {}
+
+    def export_onnx(hf_model, spec):
+        weights = hashlib.sha256()
+        for name, tensor in hf_model.state_dict().items():
+            weights.update(name.encode())
+            weights.update(tensor.detach().contiguous().numpy().tobytes())
+        key = (str(hf_model.name_or_path), hf_model.config.to_json_string(), repr(spec), weights.hexdigest())
+        if key not in graphs:
+            model = real(hf_model, spec)
+            graphs[key] = ir.to_proto(model).SerializeToString()
+            return model
+        return ir.from_proto(onnx.ModelProto.FromString(graphs[key]))
+
+    export.export_onnx = export_onnx
+    yield
+    export.export_onnx = real
 
 
 class _Engines:
