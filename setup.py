@@ -7,7 +7,9 @@ succeeds and engines are built from standard ONNX ops instead.
 
 from setuptools import Extension, setup
 
-try:  # the sources compile concurrently: attention.c alone takes most of the build (docs/architecture.md, "Tests and CI")
+# The sources compile concurrently: attention.c alone takes most of the build (docs/architecture.md,
+# "Tests and CI").
+try:
     from pybind11.setup_helpers import ParallelCompile
 
     ParallelCompile("LLMC_BUILD_JOBS").install()

@@ -33,11 +33,12 @@ def _recipe_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def _export_each_checkpoint_once():
-    """torch.export is two thirds of the suite's time, and most builds export a checkpoint that an
-    earlier build of the session already did (one engine per weight format, KV dtype or pass set).
-    An export is a function of the checkpoint alone, so each one is exported once and every later
-    build of the same folder, config and weights gets a copy of that graph, deserialized afresh
-    (no tensor is shared with a graph an earlier build's passes rewrote)."""
+    """torch.export is most of the suite's time (docs/architecture.md, "Tests and CI"), and most
+    builds export a checkpoint that an earlier build of the session already did (one engine per
+    weight format, KV dtype or pass set). An export is a function of the checkpoint alone, so each
+    one is exported once and every later build of the same folder, config and weights gets a copy
+    of that graph, deserialized afresh (no tensor is shared with a graph an earlier build's passes
+    rewrote)."""
     import onnx
     import onnx_ir as ir
 
