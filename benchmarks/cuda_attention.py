@@ -2,6 +2,7 @@
 
     python benchmarks/cuda_attention.py [--contexts 4096,8192,16384,32768] [--batches 1,8,32,64]
                                         [--iters 20] [--no-check] [--check-only] [--rope]
+                                        [--library PATH]
 
 Needs a CUDA GPU, torch with CUDA and nvcc (pip install 'llmc[cuda-build]'); CuPy, when present,
 measures the copy bandwidth with a plain cudaMemcpy (torch's copy_ otherwise). Shape: Llama-3-8B's
@@ -37,10 +38,10 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 L2_BYTES = 50 << 20
 
 
-def library():
+def library(path: str | None):
     from llmc.plugins import cuda
 
-    return cuda.load_library(cuda.build_shared_library(tempfile.mkdtemp(prefix="llmc-cuda-")))
+    return cuda.load_library(path or cuda.build_shared_library(tempfile.mkdtemp(prefix="llmc-cuda-")))
 
 
 class Call:
@@ -74,9 +75,11 @@ class Call:
     def __call__(self):
         import torch
 
+        from llmc.plugins import cuda
+
         status = self.lib.llmc_paged_attention(ctypes.byref(self.args), torch.cuda.current_stream().cuda_stream)
         if status:
-            raise RuntimeError(self.lib.llmc_error_string(status).decode())
+            raise RuntimeError(cuda.status_message(self.lib, status))
 
 
 def scattered_tables(gen, batch, blocks_per_row, spare=1):
@@ -267,13 +270,14 @@ def main() -> None:
     ap.add_argument("--no-check", action="store_true", help="skip the correctness sweep")
     ap.add_argument("--check-only", action="store_true", help="run only the correctness sweep")
     ap.add_argument("--rope", action="store_true", help="also time each decode call with the RoPE fused")
+    ap.add_argument("--library", help="a built libllmc_cuda_attention.so to load (default: build one now)")
     args = ap.parse_args()
 
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU and torch with CUDA")
-    lib = library()
+    lib = library(args.library)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     if not args.no_check:
         ok = correctness(lib)

@@ -188,15 +188,22 @@ def reference(query, key, value, cache, past_lens, query_lens, block_tables, *, 
             blk = int(block_tables[b, p // block_size]) if j < query_lens[b] else SCRATCH_BLOCK
             cache[0, blk, p % block_size] = kv_layout.round_trip(key[b, :, j], kv_dtype)
             cache[1, blk, p % block_size] = kv_layout.round_trip(value[b, :, j], kv_dtype)
-        for j in range(int(query_lens[b])):
+        qlen = int(query_lens[b])
+        if qlen == 0:
+            continue
+        # The row's whole context gathered once, [Hkv, T, D]; each token attends to a slice of it
+        # (the gather per token made 32k-token oracles take minutes).
+        positions = np.arange(int(past_lens[b]) + qlen)
+        slots = block_tables[b, positions // block_size], positions % block_size
+        ks, vs = (cache[i][slots].transpose(1, 0, 2) for i in (0, 1))
+        for j in range(qlen):
             p = int(past_lens[b]) + j
             lo = max(0, p - sliding_window + 1) if sliding_window else 0
-            ks = np.stack([cache[0, block_tables[b, t // block_size], t % block_size] for t in range(lo, p + 1)])
-            vs = np.stack([cache[1, block_tables[b, t // block_size], t % block_size] for t in range(lo, p + 1)])
-            for h in range(num_heads):
-                scores = ks[:, h // group] @ query[b, h, j] * scale
-                if softcap:
-                    scores = softcap * np.tanh(scores / softcap)
-                w = np.exp(scores - scores.max())
-                out[b, h, j] = (w / w.sum()) @ vs[:, h // group]
+            q = query[b, :, j].reshape(num_kv_heads, group, head_dim)
+            scores = q @ ks[:, lo:p + 1].transpose(0, 2, 1) * scale  # [Hkv, group, T]
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
+            w = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            w /= w.sum(axis=-1, keepdims=True)
+            out[b, :, j] = (w @ vs[:, lo:p + 1]).reshape(num_heads, head_dim)
     return out, cache

@@ -146,6 +146,14 @@ def apply_rotary(x, cos, sin, interleaved: bool = False):
     return out
 
 
+def status_message(lib: ctypes.CDLL, status: int) -> str:
+    """A failed call's status as one line; a CUDA failure says which CUDA error it was."""
+    message = lib.llmc_error_string(status).decode()
+    if STATUS.get(status) == "LLMC_ERR_CUDA":
+        message += f": {lib.llmc_last_cuda_error().decode()}"
+    return message
+
+
 def load_library(path) -> ctypes.CDLL:
     """Load a built libllmc_cuda_attention.so with its signatures set; refuses a library whose
     argument struct differs from PagedAttentionArgs."""
@@ -157,6 +165,7 @@ def load_library(path) -> ctypes.CDLL:
     lib.llmc_paged_attention_workspace.restype = ctypes.c_size_t
     lib.llmc_error_string.argtypes = [ctypes.c_int]
     lib.llmc_error_string.restype = ctypes.c_char_p
+    lib.llmc_last_cuda_error.restype = ctypes.c_char_p
     lib.llmc_attention_abi_version.restype = ctypes.c_int
     lib.llmc_attention_args_size.restype = ctypes.c_size_t
     version, size = lib.llmc_attention_abi_version(), lib.llmc_attention_args_size()

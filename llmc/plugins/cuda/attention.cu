@@ -41,14 +41,30 @@ namespace wmma = nvcuda::wmma;
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kKvTile = 32;          // tokens per K/V tile: one lane per token in the softmax
+// Build-time knobs (-DLLMC_...=N), so that benchmarks/cuda_attention_variants.py can time
+// alternatives; the defaults are what it measured best (docs/tensorrt.md).
+#ifndef LLMC_KV_TILE
+#define LLMC_KV_TILE 32
+#endif
+#ifndef LLMC_DECODE_STAGES
+#define LLMC_DECODE_STAGES 2
+#endif
+#ifndef LLMC_TARGET_CTAS
+#define LLMC_TARGET_CTAS 512
+#endif
+constexpr int kKvTile = LLMC_KV_TILE;  // tokens per K/V tile: a multiple of 32 (lanes in the softmax)
+constexpr int kLaneTokens = kKvTile / 32;
+static_assert(kKvTile % 32 == 0, "the softmax gives each lane whole tokens");
 constexpr int kPad = 8;              // 16 bytes per 16-bit row: rows start 4 banks apart
 constexpr int kFloatPad = 4;         // WMMA wants float strides in multiples of 4
 constexpr int kDecodeRows = 16;
 constexpr int kPrefillRows = 64;
+// K/V tiles in flight per CTA (cp.async stages).
+constexpr int kDecodeStages = LLMC_DECODE_STAGES;
+constexpr int kPrefillStages = 2;
 // Splits are sized so that a launch has about this many CTAs (a few waves on 108-132 SMs); a fixed
 // number, not the device's SM count, so the workspace size depends on the shapes alone.
-constexpr int kTargetCtas = 512;
+constexpr int kTargetCtas = LLMC_TARGET_CTAS;
 constexpr int kMinPartition = 256;   // tokens: below this a split's fixed cost outweighs its work
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -132,14 +148,14 @@ __host__ __device__ constexpr size_t max_size(size_t a, size_t b) { return a > b
 
 // Shared memory of one attention CTA. The fp32 output staging of the epilogue reuses the K/V
 // buffers, which are dead by then.
-template <int D, int M> struct Smem {
+template <int D, int M, int kStages> struct Smem {
     static constexpr int kLd = D + kPad;              // Q, K, V rows (16-bit elements)
     static constexpr int kSld = kKvTile + kFloatPad;  // scores (floats)
     static constexpr int kPld = kKvTile + kPad;       // probabilities (16-bit)
     static constexpr int kOld = D + kFloatPad;        // output staging (floats)
     static constexpr size_t kQ = size_t(M) * kLd * 2;
     static constexpr size_t kKvStage = size_t(kKvTile) * kLd * 2;
-    static constexpr size_t kKvo = max_size(4 * kKvStage, size_t(M) * kOld * 4);  // K, V x 2 stages
+    static constexpr size_t kKvo = max_size(2 * kStages * kKvStage, size_t(M) * kOld * 4);  // K, V x stages
     static constexpr size_t kS = size_t(M) * kSld * 4;
     static constexpr size_t kP = size_t(M) * kPld * 2;
     static constexpr size_t kStats = size_t(3) * M * 4;
@@ -151,9 +167,9 @@ template <int D, int M> struct Smem {
     static constexpr size_t bytes = stat_off + round128(kStats);
 };
 
-template <typename T, int D, int M, bool kRope>
+template <typename T, int D, int M, int kStages, bool kRope>
 __device__ __forceinline__ void attend(const Params& p) {
-    using L = Smem<D, M>;
+    using L = Smem<D, M, kStages>;
     constexpr int kChunks = D / 8;           // 16-byte chunks per head row
     constexpr int kRowBlocks = M / 16;
     constexpr int kColBlocks = D / 16;
@@ -164,7 +180,7 @@ __device__ __forceinline__ void attend(const Params& p) {
     extern __shared__ __align__(128) unsigned char smem[];
     T* q_s = reinterpret_cast<T*>(smem + L::q_off);
     T* k_s = reinterpret_cast<T*>(smem + L::kvo_off);
-    T* v_s = k_s + 2 * kKvTile * L::kLd;
+    T* v_s = k_s + kStages * kKvTile * L::kLd;
     float* o_s = reinterpret_cast<float*>(smem + L::kvo_off);
     float* s_s = reinterpret_cast<float*>(smem + L::s_off);
     T* p_s = reinterpret_cast<T*>(smem + L::p_off);
@@ -234,15 +250,23 @@ __device__ __forceinline__ void attend(const Params& p) {
             cp_async16(v_s + dst, v_cache + off, ok);
         }
     };
+    // The first kStages - 1 tiles, a commit group each (possibly empty), so that in iteration n
+    // "all but the newest kStages - 1 groups" is always tile n.
+    auto load_prologue = [&]() {
+#pragma unroll
+        for (int s = 0; s < kStages - 1; ++s) {
+            if (s < n_tiles) load_tile(tile_first + s, s);
+            cp_async_commit();
+        }
+    };
 
     if constexpr (kRope) {
-        // Start the first K/V tile, then rotate the query tile in place while it loads: a warp per
-        // row, a lane per pair, fp32, one rounding. Done before the accumulators come alive (and
-        // the loops kept rolled) so that it adds no register pressure to the main loop. The
+        // Start the first K/V tiles, then rotate the query tile in place while they load: a warp
+        // per row, a lane per pair, fp32, one rounding. Done before the accumulators come alive
+        // (and the loops kept rolled) so that it adds no register pressure to the main loop. The
         // __syncthreads below orders these writes before the first Q.K^T product.
-        if (n_tiles > 0) load_tile(tile_first, 0);
-        cp_async_commit();
-        cp_async_wait<1>();   // the query group has landed; the K/V tile may still be in flight
+        load_prologue();
+        cp_async_wait<kStages - 1>();   // the query group has landed; the K/V tiles may be in flight
         __syncthreads();
         const int half = p.rotary_dim / 2;
         const bool inter = p.rotary_interleaved != 0;
@@ -279,16 +303,14 @@ __device__ __forceinline__ void attend(const Params& p) {
 #pragma unroll
     for (int i = 0; i < kFragsPerWarp; ++i) wmma::fill_fragment(acc[i], 0.f);
 
-    if constexpr (!kRope) {
-        if (n_tiles > 0) load_tile(tile_first, 0);
-        cp_async_commit();
-    }
+    if constexpr (!kRope) load_prologue();
 
     for (int n = 0; n < n_tiles; ++n) {
-        const int stage = n & 1;
-        if (n + 1 < n_tiles) load_tile(tile_first + n + 1, stage ^ 1);
-        cp_async_commit();   // possibly empty, so that "all but the newest group" is always tile n
-        cp_async_wait<1>();
+        const int stage = n % kStages;
+        const int ahead = n + kStages - 1;   // its stage is the one iteration n - 1 finished with
+        if (ahead < n_tiles) load_tile(tile_first + ahead, ahead % kStages);
+        cp_async_commit();
+        cp_async_wait<kStages - 1>();
         __syncthreads();
 
         const T* k_tile = k_s + stage * kKvTile * L::kLd;
@@ -309,28 +331,37 @@ __device__ __forceinline__ void attend(const Params& p) {
         }
         __syncthreads();
 
-        // Online softmax in log2 units: one warp per row, one lane per token of the tile.
-        const int t = (tile_first + n) * kKvTile + lane;
+        // Online softmax in log2 units: one warp per row, lane l holding tokens l, l + 32, ...
+        const int t0 = (tile_first + n) * kKvTile + lane;
         for (int r = warp; r < M; r += kWarps) {
             const int rg = row0 + r, j = rg / G;
             if (rg >= rows_total || j >= qlen) continue;   // uniform per warp; P is never read for it
             const int pos = past + j;
-            const bool allowed = t <= pos && (p.window <= 0 || t > pos - p.window);
-            float s = -INFINITY;
-            if (allowed) {
-                float x = s_s[r * L::kSld + lane] * p.scale;
-                if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
-                s = x * kLog2e;
+            float s[kLaneTokens];
+            float m_tile = -INFINITY;
+#pragma unroll
+            for (int e = 0; e < kLaneTokens; ++e) {
+                const int t = t0 + 32 * e;
+                s[e] = -INFINITY;
+                if (t <= pos && (p.window <= 0 || t > pos - p.window)) {
+                    float x = s_s[r * L::kSld + lane + 32 * e] * p.scale;
+                    if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+                    s[e] = x * kLog2e;
+                }
+                m_tile = fmaxf(m_tile, s[e]);
             }
             const float m_old = m_s[r];
-            const float m_new = fmaxf(m_old, warp_max(s));
-            float prob = 0.f, alpha = 1.f;
-            if (m_new != -INFINITY) {   // else nothing allowed yet: keep O, l at zero
-                prob = allowed ? exp2f(s - m_new) : 0.f;
-                alpha = exp2f(m_old - m_new);
+            const float m_new = fmaxf(m_old, warp_max(m_tile));
+            float lane_sum = 0.f, alpha = 1.f;
+            // m_new == -inf: nothing allowed yet, so O and l stay zero.
+            if (m_new != -INFINITY) alpha = exp2f(m_old - m_new);
+#pragma unroll
+            for (int e = 0; e < kLaneTokens; ++e) {
+                const float prob = s[e] != -INFINITY ? exp2f(s[e] - m_new) : 0.f;
+                lane_sum += prob;
+                p_s[r * L::kPld + lane + 32 * e] = Num<T>::from_float(prob);
             }
-            const float sum = warp_sum(prob);
-            p_s[r * L::kPld + lane] = Num<T>::from_float(prob);
+            const float sum = warp_sum(lane_sum);
             __syncwarp();
             if (lane == 0) {
                 m_s[r] = m_new;
@@ -404,12 +435,12 @@ __device__ __forceinline__ void attend(const Params& p) {
 
 template <typename T, int D, bool kRope>
 __global__ void __launch_bounds__(kThreads) paged_attention_decode(Params p) {
-    attend<T, D, kDecodeRows, kRope>(p);
+    attend<T, D, kDecodeRows, kDecodeStages, kRope>(p);
 }
 
 template <typename T, int D, bool kRope>
 __global__ void __launch_bounds__(kThreads) paged_attention_prefill(Params p) {
-    attend<T, D, kPrefillRows, kRope>(p);
+    attend<T, D, kPrefillRows, kPrefillStages, kRope>(p);
 }
 
 // One warp per (row, head, token): merges the splits that overlap the token's attention range,
@@ -573,6 +604,9 @@ size_t partial_bytes(const LlmcPagedAttentionArgs& a, int rows_seq, int splits) 
     return rows * a.head_dim * sizeof(float) + rows * sizeof(float2);
 }
 
+// The error behind this thread's last LLMC_ERR_CUDA: the status code alone cannot say which.
+thread_local cudaError_t last_cuda_error = cudaSuccess;
+
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
 int check(const LlmcPagedAttentionArgs* a) {
@@ -611,13 +645,13 @@ cudaError_t launch(const Params& p, const Plan& plan, cudaStream_t stream) {
     cudaError_t err;
     if (plan.decode) {
         static std::atomic<uint64_t> done{0};
-        constexpr size_t bytes = Smem<D, kDecodeRows>::bytes;
+        constexpr size_t bytes = Smem<D, kDecodeRows, kDecodeStages>::bytes;
         err = allow_smem(paged_attention_decode<T, D, kRope>, bytes, done);
         if (err != cudaSuccess) return err;
         paged_attention_decode<T, D, kRope><<<grid, kThreads, bytes, stream>>>(p);
     } else {
         static std::atomic<uint64_t> done{0};
-        constexpr size_t bytes = Smem<D, kPrefillRows>::bytes;
+        constexpr size_t bytes = Smem<D, kPrefillRows, kPrefillStages>::bytes;
         err = allow_smem(paged_attention_prefill<T, D, kRope>, bytes, done);
         if (err != cudaSuccess) return err;
         paged_attention_prefill<T, D, kRope><<<grid, kThreads, bytes, stream>>>(p);
@@ -715,11 +749,17 @@ extern "C" int llmc_paged_attention(const LlmcPagedAttentionArgs* args, cudaStre
     // Rows past max_query_len are covered by no kernel; they are padding and read as zeros.
     if (plan.rows_seq < a.seq) {
         const size_t bytes = static_cast<size_t>(a.batch) * a.num_heads * a.seq * a.head_dim * 2;
-        if (cudaMemsetAsync(a.output, 0, bytes, stream) != cudaSuccess) return LLMC_ERR_CUDA;
+        const cudaError_t err = cudaMemsetAsync(a.output, 0, bytes, stream);
+        if (err != cudaSuccess) {
+            llmc::last_cuda_error = err;
+            return LLMC_ERR_CUDA;
+        }
     }
     const cudaError_t err = a.dtype == LLMC_DTYPE_BF16 ? launch_all<__nv_bfloat16>(p, plan, rope, stream)
                                                        : launch_all<__half>(p, plan, rope, stream);
-    return err == cudaSuccess ? LLMC_OK : LLMC_ERR_CUDA;
+    if (err == cudaSuccess) return LLMC_OK;
+    last_cuda_error = err;
+    return LLMC_ERR_CUDA;
 }
 
 extern "C" const char* llmc_error_string(int status) {
@@ -732,13 +772,15 @@ extern "C" const char* llmc_error_string(int status) {
         case LLMC_ERR_HEADS: return "num_kv_heads must divide num_heads";
         case LLMC_ERR_ALIGNMENT: return "query, key, value, cache, output and workspace must be 16-byte aligned";
         case LLMC_ERR_ATTRIBUTE: return "sliding_window and softcap must be >= 0 and scale finite";
-        case LLMC_ERR_CUDA: return "a CUDA kernel launch failed (see cudaGetLastError)";
+        case LLMC_ERR_CUDA: return "a CUDA kernel launch failed (llmc_last_cuda_error() says why)";
         case LLMC_ERR_ROTARY:
             return "rotary_dim must be even, >= 0 and <= head_dim, rotary_interleaved 0 or 1, and rope_cos and "
                    "rope_sin both set when rotary_dim > 0 and both null when it is 0";
         default: return "unknown llmc attention status";
     }
 }
+
+extern "C" const char* llmc_last_cuda_error(void) { return cudaGetErrorString(llmc::last_cuda_error); }
 
 extern "C" int llmc_attention_abi_version(void) { return LLMC_ATTENTION_ABI_VERSION; }
 

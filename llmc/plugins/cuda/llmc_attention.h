@@ -113,6 +113,9 @@ int llmc_paged_attention(const LlmcPagedAttentionArgs* args, cudaStream_t stream
 /* A one-line description of a status code (static storage). */
 const char* llmc_error_string(int status);
 
+/* CUDA's description of the error behind this thread's last LLMC_ERR_CUDA ("no error" if none). */
+const char* llmc_last_cuda_error(void);
+
 int llmc_attention_abi_version(void);
 
 /* sizeof(LlmcPagedAttentionArgs), so a ctypes mirror can check its layout. */

@@ -264,6 +264,7 @@ public:
         // again here for the current ones is exact for this call.
         args.workspace_size = workspace ? llmc_paged_attention_workspace(&args) : 0;
         int const status = llmc_paged_attention(&args, stream);
+        if (status == LLMC_ERR_CUDA) return fail(std::string(llmc_error_string(status)) + ": " + llmc_last_cuda_error());
         if (status != LLMC_OK) return fail(llmc_error_string(status));
         return 0;
     }
