@@ -27,7 +27,7 @@ LIBRARY_NAME = "libllmc_cuda_attention.so"
 NVCC_ENV = "LLMC_NVCC"  # an nvcc to use instead of the search below
 INSTALL_HINT = "pip install 'llmc[cuda-build]'"
 SHARED_ARCHS = ("80", "90")  # machine code for these; PTX for the last, for newer GPUs to JIT
-ABI_VERSION = 2  # LLMC_ATTENTION_ABI_VERSION
+ABI_VERSION = 3  # LLMC_ATTENTION_ABI_VERSION
 DTYPES = {"fp16": 0, "bf16": 1}
 STATUS = {0: "LLMC_OK", 1: "LLMC_ERR_NULL_POINTER", 2: "LLMC_ERR_BAD_SHAPE", 3: "LLMC_ERR_HEAD_DIM",
           4: "LLMC_ERR_DTYPE", 5: "LLMC_ERR_HEADS", 6: "LLMC_ERR_ALIGNMENT", 7: "LLMC_ERR_ATTRIBUTE",
@@ -155,9 +155,15 @@ def status_message(lib: ctypes.CDLL, status: int) -> str:
 
 
 def load_library(path) -> ctypes.CDLL:
-    """Load a built libllmc_cuda_attention.so with its signatures set; refuses a library whose
-    argument struct differs from PagedAttentionArgs."""
+    """Load a built libllmc_cuda_attention.so with its signatures set; refuses, before touching
+    any other symbol, a library built from other sources (another ABI version or struct size)."""
     lib = ctypes.CDLL(str(path))
+    lib.llmc_attention_abi_version.restype = ctypes.c_int
+    lib.llmc_attention_args_size.restype = ctypes.c_size_t
+    version, size = lib.llmc_attention_abi_version(), lib.llmc_attention_args_size()
+    if version != ABI_VERSION or size != ctypes.sizeof(PagedAttentionArgs):
+        raise LlmcError(f"{path} has attention ABI {version} ({size}-byte args), llmc expects {ABI_VERSION} "
+                        f"({ctypes.sizeof(PagedAttentionArgs)} bytes): rebuild it from this llmc's sources")
     args_p = ctypes.POINTER(PagedAttentionArgs)
     lib.llmc_paged_attention.argtypes = [args_p, ctypes.c_void_p]
     lib.llmc_paged_attention.restype = ctypes.c_int
@@ -166,10 +172,4 @@ def load_library(path) -> ctypes.CDLL:
     lib.llmc_error_string.argtypes = [ctypes.c_int]
     lib.llmc_error_string.restype = ctypes.c_char_p
     lib.llmc_last_cuda_error.restype = ctypes.c_char_p
-    lib.llmc_attention_abi_version.restype = ctypes.c_int
-    lib.llmc_attention_args_size.restype = ctypes.c_size_t
-    version, size = lib.llmc_attention_abi_version(), lib.llmc_attention_args_size()
-    if version != ABI_VERSION or size != ctypes.sizeof(PagedAttentionArgs):
-        raise LlmcError(f"{path} has attention ABI {version} ({size}-byte args), llmc expects {ABI_VERSION} "
-                        f"({ctypes.sizeof(PagedAttentionArgs)} bytes): rebuild it from this llmc's sources")
     return lib

@@ -43,8 +43,8 @@
 extern "C" {
 #endif
 
-/* Bumped whenever LlmcPagedAttentionArgs changes; ctypes callers compare it. */
-#define LLMC_ATTENTION_ABI_VERSION 2
+/* Bumped whenever LlmcPagedAttentionArgs or the functions below change; ctypes callers compare it. */
+#define LLMC_ATTENTION_ABI_VERSION 3
 
 typedef enum LlmcDtype {
     LLMC_DTYPE_FP16 = 0,
