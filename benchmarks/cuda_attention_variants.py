@@ -25,7 +25,6 @@ import tempfile
 
 import cuda_attention as bench
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = bench.HEADS, bench.KV_HEADS, bench.HEAD_DIM, bench.BLOCK
 CHECKS = (dict(group=4, block=16, past=[16383, 5000, 0], qlens=[1, 1, 0], seq=1),
           dict(group=8, block=32, past=[3000, 17], qlens=[70, 1], seq=70),
           dict(group=1, block=16, past=[9000, 40], qlens=[1, 1], seq=1, window=1000),
@@ -51,7 +50,7 @@ def run_one(path: str, shapes: list[tuple[int, int]]) -> None:
 
     lib, name = cuda.load_library(path), os.path.basename(path)
     worst = 0.0
-    for dtype, tol in (("fp16", 2e-3), ("bf16", 2e-2)):
+    for dtype, tol in bench.TOLERANCE.items():
         for case in CHECKS:
             err, scale = bench.check(lib, dtype, **case)
             worst = max(worst, err / max(scale, 1e-3) / tol)
@@ -59,26 +58,11 @@ def run_one(path: str, shapes: list[tuple[int, int]]) -> None:
     copy_bw = bench.copy_bandwidth(20)
     torch.cuda.empty_cache()
     for context, batch in shapes:
-        gen = torch.Generator().manual_seed(context + batch)
-        blocks = -(-context // BLOCK)
-        kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2
-        copies = min(16, max(1, -(-4 * bench.L2_BYTES // kv_bytes)))  # no call finds its K/V in L2
-        dev = dict(device="cuda", dtype=torch.float16)
-        q = torch.randn((batch, HEADS, 1, HEAD_DIM), **dev)
-        k_new, v_new = (torch.randn((batch, KV_HEADS, 1, HEAD_DIM), **dev) for _ in range(2))
-        out = torch.empty_like(q)
-        past = torch.full((batch,), context - 1, dtype=torch.int32, device="cuda")
-        qlens = torch.ones((batch,), dtype=torch.int32, device="cuda")
-        calls = []
-        for _ in range(copies):
-            tables, num_blocks = bench.scattered_tables(gen, batch, blocks)
-            pool = torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), **dev)
-            calls.append(bench.Call(lib, q, k_new, v_new, pool, out, past, qlens, tables.cuda(), num_heads=HEADS,
-                                    num_kv_heads=KV_HEADS, scale=HEAD_DIM ** -0.5))
-        turn = iter(range(1 << 62))
-        best = min(bench.timed(lambda: calls[next(turn) % copies](), 20) for _ in range(3))
-        print(f"| {name} | {context} | {batch} | {best * 1e6:.0f} | {kv_bytes / best / copy_bw:.0%} |", flush=True)
-        del calls
+        step = bench.DecodeStep(context, batch)
+        call = bench.in_turn(step.calls(lib))
+        best = min(bench.timed(call, 20) for _ in range(3))
+        print(f"| {name} | {context} | {batch} | {best * 1e6:.0f} | {step.kv_bytes / best / copy_bw:.0%} |", flush=True)
+        del step, call
         torch.cuda.empty_cache()
 
 

@@ -183,21 +183,21 @@ def reference(query, key, value, cache, past_lens, query_lens, block_tables, *, 
     group = num_heads // num_kv_heads
     out = np.zeros_like(query)
     for b in range(batch):
+        past, qlen = int(past_lens[b]), int(query_lens[b])
         for j in range(seq):
-            p = int(past_lens[b]) + j
-            blk = int(block_tables[b, p // block_size]) if j < query_lens[b] else SCRATCH_BLOCK
+            p = past + j
+            blk = int(block_tables[b, p // block_size]) if j < qlen else SCRATCH_BLOCK
             cache[0, blk, p % block_size] = kv_layout.round_trip(key[b, :, j], kv_dtype)
             cache[1, blk, p % block_size] = kv_layout.round_trip(value[b, :, j], kv_dtype)
-        qlen = int(query_lens[b])
         if qlen == 0:
             continue
         # The row's whole context gathered once, [Hkv, T, D]; each token attends to a slice of it
         # (the gather per token made 32k-token oracles take minutes).
-        positions = np.arange(int(past_lens[b]) + qlen)
+        positions = np.arange(past + qlen)
         slots = block_tables[b, positions // block_size], positions % block_size
         ks, vs = (cache[i][slots].transpose(1, 0, 2) for i in (0, 1))
         for j in range(qlen):
-            p = int(past_lens[b]) + j
+            p = past + j
             lo = max(0, p - sliding_window + 1) if sliding_window else 0
             q = query[b, :, j].reshape(num_kv_heads, group, head_dim)
             scores = q @ ks[:, lo:p + 1].transpose(0, 2, 1) * scale  # [Hkv, group, T]

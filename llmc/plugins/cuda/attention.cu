@@ -607,6 +607,12 @@ size_t partial_bytes(const LlmcPagedAttentionArgs& a, int rows_seq, int splits) 
 // The error behind this thread's last LLMC_ERR_CUDA: the status code alone cannot say which.
 thread_local cudaError_t last_cuda_error = cudaSuccess;
 
+int cuda_status(cudaError_t err) {
+    if (err == cudaSuccess) return LLMC_OK;
+    last_cuda_error = err;
+    return LLMC_ERR_CUDA;
+}
+
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
 int check(const LlmcPagedAttentionArgs* a) {
@@ -749,17 +755,11 @@ extern "C" int llmc_paged_attention(const LlmcPagedAttentionArgs* args, cudaStre
     // Rows past max_query_len are covered by no kernel; they are padding and read as zeros.
     if (plan.rows_seq < a.seq) {
         const size_t bytes = static_cast<size_t>(a.batch) * a.num_heads * a.seq * a.head_dim * 2;
-        const cudaError_t err = cudaMemsetAsync(a.output, 0, bytes, stream);
-        if (err != cudaSuccess) {
-            llmc::last_cuda_error = err;
-            return LLMC_ERR_CUDA;
-        }
+        const int zeroed = cuda_status(cudaMemsetAsync(a.output, 0, bytes, stream));
+        if (zeroed != LLMC_OK) return zeroed;
     }
-    const cudaError_t err = a.dtype == LLMC_DTYPE_BF16 ? launch_all<__nv_bfloat16>(p, plan, rope, stream)
-                                                       : launch_all<__half>(p, plan, rope, stream);
-    if (err == cudaSuccess) return LLMC_OK;
-    last_cuda_error = err;
-    return LLMC_ERR_CUDA;
+    return cuda_status(a.dtype == LLMC_DTYPE_BF16 ? launch_all<__nv_bfloat16>(p, plan, rope, stream)
+                                                  : launch_all<__half>(p, plan, rope, stream));
 }
 
 extern "C" const char* llmc_error_string(int status) {
