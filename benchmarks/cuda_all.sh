@@ -3,7 +3,8 @@
 #   bash benchmarks/cuda_all.sh [OUT_DIR]      (from the repo root; OUT_DIR defaults to ./cuda-results)
 # Builds the library once, then runs the GPU tests and the 32k correctness sweep side by side
 # (CPU-bound numpy oracles), then the decode-bandwidth table alone on the GPU, then the build
-# variants. Each writes its own file in OUT_DIR; docs/tensorrt.md records what they gave.
+# variants (only when the tests pass). Each writes its own file in OUT_DIR; docs/tensorrt.md
+# records what they gave.
 set -u
 out=${1:-cuda-results}
 mkdir -p "$out"
@@ -23,8 +24,11 @@ tests=$!
 timeout 400 python3 benchmarks/cuda_attention.py --check-only --library "$lib" > "$out/check.md" 2>&1
 elapsed "check rc $?, $(grep -c FAIL "$out/check.md") FAIL rows"
 wait $tests
-elapsed "pytest rc $?: $(tail -1 "$out/pytest.log")"
+tests_rc=$?
+elapsed "pytest rc $tests_rc: $(tail -1 "$out/pytest.log")"
 timeout 300 python3 benchmarks/cuda_attention.py --no-check --rope --library "$lib" > "$out/bench.md" 2>&1
 elapsed "bench rc $?"
+# Timing variants of a kernel that fails its tests would measure nothing worth keeping.
+[ $tests_rc -eq 0 ] || exit 1
 timeout 300 python3 benchmarks/cuda_attention_variants.py > "$out/variants.md" 2>&1
 elapsed "variants rc $?"

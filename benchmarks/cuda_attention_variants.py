@@ -1,11 +1,12 @@
 """Build-time variants of llmc's CUDA decode attention, each checked and timed on the same shapes.
 
-    python benchmarks/cuda_attention_variants.py [--variants 32:2:512,32:3:512,64:2:2048]
+    python benchmarks/cuda_attention_variants.py [--variants 32:3:256,32:2:256,32:3:512]
                                                  [--shapes 32768x64,16384x8,32768x1]
 
-A variant is TILE:STAGES:CTAS, attention.cu's build-time knobs: tokens per K/V tile
-(LLMC_KV_TILE), cp.async stages of the decode kernel (LLMC_DECODE_STAGES) and the CTA count the
-flash-decoding splits aim for (LLMC_TARGET_CTAS). Each builds for sm_90 (all at once), then runs
+A variant is TILE:STAGES:CTAS, attention.cu's build-time knobs: tokens per K/V tile of the
+prefill kernel, which split partitions are whole multiples of (LLMC_KV_TILE), cp.async stages of
+each decode warp's ring (LLMC_DECODE_STAGES) and the CTA count the decode kernel's flash-decoding
+splits aim for (LLMC_DECODE_TARGET_CTAS). Each builds for sm_90 (all at once), then runs
 in a process of its own: every library links its own static CUDA runtime, and a second one
 loaded into the same process failed its launches. In each process: a few correctness cases
 against paged_attention.reference() (fp16 and bf16, a 16k decode, a ragged prefill, a window,
@@ -38,7 +39,7 @@ def build(variant: str, out_dir: str) -> str:
     path = os.path.join(out_dir, f"t{tile}s{stages}c{ctas}.so")
     cmd = cuda.nvcc_command("-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-arch=sm_90",
                             f"-DLLMC_KV_TILE={tile}", f"-DLLMC_DECODE_STAGES={stages}",
-                            f"-DLLMC_TARGET_CTAS={ctas}", "-o", path, str(cuda.ATTENTION_SOURCE))
+                            f"-DLLMC_DECODE_TARGET_CTAS={ctas}", "-o", path, str(cuda.ATTENTION_SOURCE))
     subprocess.run(cmd, check=True)
     return path
 
@@ -68,7 +69,7 @@ def run_one(path: str, shapes: list[tuple[int, int]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="32:2:512,32:3:512,32:4:512,32:2:2048,64:2:2048")
+    ap.add_argument("--variants", default="32:3:256,32:2:256,32:3:512")
     ap.add_argument("--shapes", default="32768x64,32768x32,16384x8,32768x1,4096x64")
     ap.add_argument("--library", help=argparse.SUPPRESS)  # the per-variant process
     args = ap.parse_args()

@@ -299,9 +299,10 @@ def test_library_without_a_driver_reports_cuda_error(lib):
 
 @needs_nvcc
 def test_workspace_sizes(lib):
-    # One decode row of 32 heads over 2048 blocks of 16: 8 KV-head CTAs, so 64 splits of 512 tokens.
+    # One decode row of 32 heads over 2048 blocks of 16: 8 KV-head CTAs, so 32 splits of 1024 tokens
+    # (a wave of 256 CTAs).
     per_split = 128 * 4 + 8
-    assert lib.llmc_paged_attention_workspace(ctypes.byref(decode_args())) == 32 * 64 * per_split
+    assert lib.llmc_paged_attention_workspace(ctypes.byref(decode_args())) == 32 * 32 * per_split
     # Enough rows fill the GPU unsplit: no workspace.
     assert lib.llmc_paged_attention_workspace(ctypes.byref(decode_args(batch=64))) == 0
     # A short context is not split below 256 tokens: 4 blocks of 16 -> 1 split.

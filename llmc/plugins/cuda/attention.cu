@@ -1,25 +1,28 @@
 // llmc's paged attention on CUDA (sm_80 and later): the op of llmc/plugins/paged_attention.py.
 //
 // One call = kv_write (the step's new K/V into the paged cache, in place) followed by one
-// attention kernel and, when the context is split, a reduce kernel. The attention kernel is one
-// tiled online-softmax body instantiated twice:
-//   decode  (16 query rows per CTA): a CTA owns one KV head of one sequence and every query head
-//           that reads it (GQA), so each K/V tile is loaded once for the whole group; the context
-//           is split into partitions (flash-decoding) so that a few long rows still fill the GPU,
-//           and paged_attention_split_reduce merges the per-partition (max, sum, output) triples.
+// attention kernel and, when the context is split, a reduce kernel. Both attention kernels give a
+// CTA one KV head of one sequence and every query head that reads it (GQA), so each K/V tile is
+// loaded once for the whole group, and split the context into partitions (flash-decoding) when
+// there are too few CTAs to fill the GPU; paged_attention_split_reduce then merges the
+// per-partition (max, sum, output) triples.
+//   decode  (up to 16 query rows): bound by the K/V bytes it streams, so each of the four warps
+//           runs its own cp.async ring over its own 16-token tiles and keeps S, P and O in
+//           mma.sync fragments; the warps merge once at the end (decode(), below).
 //   prefill (64 query rows per CTA): S > 1 new tokens x the group's heads, attending to the paged
-//           prefix and causally to themselves; split only when there are too few row tiles.
+//           prefix and causally to themselves; one tiled online-softmax body (attend()) whose
+//           products run through WMMA, K/V tiles shared by the CTA in a two-stage cp.async ring.
 // A query "row" is one (new token, query head of the group) pair, flattened token-major, so a
-// tile holds whole GQA groups and any group size works (a tile may end mid-group).
-// Both matrix products run on tensor cores through WMMA with fp32 accumulation; the softmax and
-// all bookkeeping are fp32. K/V tiles stream through a two-stage cp.async pipeline.
+// tile holds whole GQA groups and any group size works (a tile may end mid-group). Products
+// accumulate in fp32 on tensor cores; the softmax and all bookkeeping are fp32.
 //
 // Rotary embedding (rotary_dim > 0) is fused, each kernel instantiated with and without it (the
 // kRope template flag) so that the plain path keeps its code: kv_write rotates each K chunk in
-// registers between its load and its store to the cache (so the cache holds rotated keys), and
-// the attention kernels rotate the query tile in shared memory once its cp.async lands, while the
-// first K/V tile is still in flight. Both compute in fp32 without FMA contraction and round once,
-// exactly like numpy's fp32 x1*cos - x2*sin, x2*cos + x1*sin.
+// registers between its load and its store to the cache (so the cache holds rotated keys); the
+// prefill kernel rotates its query tile in shared memory once its cp.async lands, while the first
+// K/V tile is still in flight, and the decode kernel rotates the query as it loads its fragments.
+// All compute in fp32 without FMA contraction and round once, exactly like numpy's fp32
+// x1*cos - x2*sin, x2*cos + x1*sin.
 
 #include "llmc_attention.h"
 
@@ -47,24 +50,26 @@ constexpr int kWarps = kThreads / 32;
 #define LLMC_KV_TILE 32
 #endif
 #ifndef LLMC_DECODE_STAGES
-#define LLMC_DECODE_STAGES 2
+#define LLMC_DECODE_STAGES 3
 #endif
-#ifndef LLMC_TARGET_CTAS
-#define LLMC_TARGET_CTAS 512
+#ifndef LLMC_DECODE_TARGET_CTAS
+#define LLMC_DECODE_TARGET_CTAS 256
 #endif
-constexpr int kKvTile = LLMC_KV_TILE;  // tokens per K/V tile: a multiple of 32 (lanes in the softmax)
+constexpr int kKvTile = LLMC_KV_TILE;  // tokens per prefill K/V tile: a multiple of 32 (lanes in the softmax)
 constexpr int kLaneTokens = kKvTile / 32;
 static_assert(kKvTile % 32 == 0, "the softmax gives each lane whole tokens");
 constexpr int kPad = 8;              // 16 bytes per 16-bit row: rows start 4 banks apart
 constexpr int kFloatPad = 4;         // WMMA wants float strides in multiples of 4
 constexpr int kDecodeRows = 16;
 constexpr int kPrefillRows = 64;
-// K/V tiles in flight per CTA (cp.async stages).
+// cp.async stages: of each decode warp's own ring, of the prefill CTA's shared one.
 constexpr int kDecodeStages = LLMC_DECODE_STAGES;
 constexpr int kPrefillStages = 2;
-// Splits are sized so that a launch has about this many CTAs (a few waves on 108-132 SMs); a fixed
-// number, not the device's SM count, so the workspace size depends on the shapes alone.
-constexpr int kTargetCtas = LLMC_TARGET_CTAS;
+// Splits are sized so that a launch has about this many CTAs: for decode one wave (two CTAs an SM
+// on 132 SMs), for prefill a few. Fixed numbers, not the device's SM count, so the workspace size
+// depends on the shapes alone.
+constexpr int kDecodeTargetCtas = LLMC_DECODE_TARGET_CTAS;
+constexpr int kPrefillTargetCtas = 512;
 constexpr int kMinPartition = 256;   // tokens: below this a split's fixed cost outweighs its work
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -94,10 +99,12 @@ template <typename T> struct Num;
 template <> struct Num<__half> {
     static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
     static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+    static __device__ __forceinline__ unsigned short bits(__half x) { return __half_as_ushort(x); }
 };
 template <> struct Num<__nv_bfloat16> {
     static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
     static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+    static __device__ __forceinline__ unsigned short bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
 };
 
 template <typename T> struct alignas(16) Pack8 { T v[8]; };
@@ -143,11 +150,51 @@ __device__ __forceinline__ const T* rope_row(const void* table, const Params& p,
     return static_cast<const T*>(table) + (static_cast<int64_t>(b) * p.seq + j) * (p.rotary_dim / 2);
 }
 
+// Element d (< rotary_dim) of token j's head row, x = row[d], rotated. `neighbour` is row[d ^ 1],
+// its interleaved partner, which the caller already holds; a rotate-halves partner rotary_dim / 2
+// away is loaded from row (an L1 hit: the neighbouring threads load it too).
+template <typename T>
+__device__ __forceinline__ T rotated_element(const Params& p, const T* row, int b, int j, int d, T x, T neighbour) {
+    const int half = p.rotary_dim / 2;
+    const bool second = p.rotary_interleaved ? (d & 1) != 0 : d >= half;
+    const int i = p.rotary_interleaved ? d >> 1 : (second ? d - half : d);
+    const T partner = p.rotary_interleaved ? neighbour : row[second ? d - half : d + half];
+    return Num<T>::from_float(rope_rotate(Num<T>::to_float(x), Num<T>::to_float(partner),
+                                          Num<T>::to_float(rope_row<T>(p.rope_cos, p, b, j)[i]),
+                                          Num<T>::to_float(rope_row<T>(p.rope_sin, p, b, j)[i]), second));
+}
+
+// Where chunk dc of token t's head row kvh starts in the K half of the cache ([blocks,
+// block_size, Hkv, D]; V is cache_half further). ok = false where t lies outside [t_lo, t_end) or
+// has no valid block: the caller loads zeros there, so that masked or missing tokens never bring
+// stale (possibly NaN) pool bytes into a product.
+template <int D>
+__device__ __forceinline__ int64_t kv_offset(const Params& p, const int32_t* table, int t, int t_lo, int t_end,
+                                             int kvh, int dc, bool& ok) {
+    const int col = t / p.block_size;
+    int blk = -1;
+    if (t >= t_lo && t < t_end && col < p.max_blocks) blk = table[col];
+    ok = blk >= 0 && blk < p.num_blocks;
+    int64_t off = 0;
+    if (ok) off = ((static_cast<int64_t>(blk) * p.block_size + t % p.block_size) * p.num_kv_heads + kvh) * D + dc * 8;
+    return off;
+}
+
+// Query head h's row for token j in the query and the output ([B, Hq, seq, D]), in units of D.
+__device__ __forceinline__ int64_t head_row(const Params& p, int b, int h, int j) {
+    return (static_cast<int64_t>(b) * p.num_heads + h) * p.seq + j;
+}
+
+// The same row's slot for split `split` in the partials ([B, Hq, rows_seq, splits]).
+__device__ __forceinline__ int64_t partial_row(const Params& p, int b, int h, int j, int split) {
+    return ((static_cast<int64_t>(b) * p.num_heads + h) * p.rows_seq + j) * p.num_splits + split;
+}
+
 __host__ __device__ constexpr size_t round128(size_t x) { return (x + 127) / 128 * 128; }
 __host__ __device__ constexpr size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
 
-// Shared memory of one attention CTA. The fp32 output staging of the epilogue reuses the K/V
-// buffers, which are dead by then.
+// Shared memory of one prefill CTA (attend()). The fp32 output staging of the epilogue reuses
+// the K/V buffers, which are dead by then.
 template <int D, int M, int kStages> struct Smem {
     static constexpr int kLd = D + kPad;              // Q, K, V rows (16-bit elements)
     static constexpr int kSld = kKvTile + kFloatPad;  // scores (floats)
@@ -227,7 +274,7 @@ __device__ __forceinline__ void attend(const Params& p) {
         const int rg = row0 + r, j = rg / G, g = rg % G;
         const bool ok = rg < rows_total && j < qlen;
         const T* src = query;
-        if (ok) src += ((static_cast<int64_t>(b) * p.num_heads + kvh * G + g) * p.seq + j) * D + dc * 8;
+        if (ok) src += head_row(p, b, kvh * G + g, j) * D + dc * 8;
         cp_async16(q_s + r * L::kLd + dc * 8, src, ok);
     }
     // With RoPE the query tile is a commit group of its own, so it can be waited for (and rotated)
@@ -238,13 +285,8 @@ __device__ __forceinline__ void attend(const Params& p) {
         const int t0 = kv_tile * kKvTile;
         for (int c = tid; c < kKvTile * kChunks; c += kThreads) {
             const int i = c / kChunks, dc = c % kChunks;
-            const int t = t0 + i;
-            const int col = t / p.block_size;
-            int blk = -1;
-            if (t >= t_lo && t < t_end && col < p.max_blocks) blk = table[col];
-            const bool ok = blk >= 0 && blk < p.num_blocks;
-            int64_t off = 0;
-            if (ok) off = ((static_cast<int64_t>(blk) * p.block_size + t % p.block_size) * p.num_kv_heads + kvh) * D + dc * 8;
+            bool ok;
+            const int64_t off = kv_offset<D>(p, table, t0 + i, t_lo, t_end, kvh, dc, ok);
             const int dst = (stage * kKvTile + i) * L::kLd + dc * 8;
             cp_async16(k_s + dst, k_cache + off, ok);
             cp_async16(v_s + dst, v_cache + off, ok);
@@ -412,7 +454,7 @@ __device__ __forceinline__ void attend(const Params& p) {
             Pack8<T> pack;
 #pragma unroll
             for (int e = 0; e < 8; ++e) pack.v[e] = Num<T>::from_float(valid ? o_s[r * L::kOld + dc * 8 + e] * inv : 0.f);
-            const int64_t dst = ((static_cast<int64_t>(b) * p.num_heads + kvh * G + g) * p.seq + j) * D + dc * 8;
+            const int64_t dst = head_row(p, b, kvh * G + g, j) * D + dc * 8;
             *reinterpret_cast<Pack8<T>*>(out + dst) = pack;
         }
     } else {
@@ -420,22 +462,324 @@ __device__ __forceinline__ void attend(const Params& p) {
             const int r = c / (D / 4), dc = c % (D / 4);
             const int rg = row0 + r, j = rg / G, g = rg % G;
             if (rg >= rows_total || j >= qlen) continue;
-            const int64_t prow = ((static_cast<int64_t>(b) * p.num_heads + kvh * G + g) * p.rows_seq + j) * p.num_splits + split;
+            const int64_t prow = partial_row(p, b, kvh * G + g, j, split);
             const float* src = o_s + r * L::kOld + dc * 4;
             *reinterpret_cast<float4*>(p.partial_o + prow * D + dc * 4) = make_float4(src[0], src[1], src[2], src[3]);
         }
         for (int r = tid; r < M; r += kThreads) {
             const int rg = row0 + r, j = rg / G, g = rg % G;
             if (rg >= rows_total || j >= qlen) continue;
-            const int64_t prow = ((static_cast<int64_t>(b) * p.num_heads + kvh * G + g) * p.rows_seq + j) * p.num_splits + split;
+            const int64_t prow = partial_row(p, b, kvh * G + g, j, split);
             p.partial_ml[prow] = make_float2(m_s[r], l_s[r]);
+        }
+    }
+}
+
+// --- decode: warps that stream their own K/V tiles ------------------------------------------------
+//
+// A decode CTA (one KV head of one sequence, up to 16 query rows: the GQA group, times the few
+// tokens of a speculative step) reads far more K/V than it computes on, so what bounds it is how
+// many bytes stay in flight. Each warp therefore owns a private cp.async ring over its own
+// 16-token tiles (tiles w, w + 4, ... of the CTA's range), keeps S, P and O in mma.sync fragments
+// (the fragment layout is documented, so the softmax runs in registers: no shared-memory round
+// trip, no CTA barrier per tile), and the four warps merge their (max, sum, O) once at the end.
+
+constexpr int kWarpTile = 16;   // tokens per warp step: one k16 of P.V
+static_assert(kKvTile % kWarpTile == 0, "split partitions must be whole warp tiles");
+
+template <int D, int kStages> struct DecodeSmem {
+    static constexpr int kLd = D + kPad;                              // K, V rows (16-bit elements)
+    static constexpr size_t kTile = size_t(kWarpTile) * kLd * 2;      // one K or V tile, bytes
+    static constexpr size_t kRing = kStages * 2 * kTile;              // a warp's K and V stages
+    static constexpr int kOld = D + kFloatPad;                        // merge: O rows (floats)
+    static constexpr size_t kMergeO = size_t(kWarps) * kDecodeRows * kOld * 4;
+    static constexpr size_t kMerge = kMergeO + size_t(2) * kWarps * kDecodeRows * 4;
+    static constexpr size_t bytes = max_size(kWarps * kRing, kMerge);
+};
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+
+// c += a (16x16, row-major) . b (16x8, column-major), fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two 16-bit values in one register, the first in the low half (the lower column of a fragment).
+template <typename T> __device__ __forceinline__ uint32_t pack2(T lo, T hi) {
+    return static_cast<uint32_t>(Num<T>::bits(lo)) | static_cast<uint32_t>(Num<T>::bits(hi)) << 16;
+}
+
+template <typename T, int D, bool kRope>
+__device__ __forceinline__ void decode(const Params& p) {
+    using L = DecodeSmem<D, kDecodeStages>;
+    constexpr int kChunks = D / 8;          // 16-byte chunks per head row
+    constexpr int kSteps = D / 16;          // k16 steps of Q.K^T
+    constexpr int kNTiles = D / 8;          // n8 tiles of O
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int quad = lane / 4, tq = lane % 4;   // fragment row and column pair
+    const int split = blockIdx.x;
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    const int G = p.group;
+    const int rows_total = p.rows_seq * G;
+    const int past = p.past_lens[b];
+    const int qlen = past < 0 ? 0 : min(p.query_lens[b], p.rows_seq);
+
+    // The CTA's token range, in warp tiles; query row r is token j = r / G of the step.
+    const int j_last = min((kDecodeRows - 1) / G, qlen - 1);
+    const bool any_row = j_last >= 0;
+    const int t_end = any_row ? past + j_last + 1 : 0;
+    const int t_lo = (any_row && p.window > 0) ? max(0, past - p.window + 1) : 0;
+    int tile_first = t_lo / kWarpTile;
+    int tile_last = (t_end + kWarpTile - 1) / kWarpTile;
+    if (p.num_splits > 1) {
+        const int per = p.partition / kWarpTile;
+        tile_first = max(tile_first, split * per);
+        tile_last = min(tile_last, (split + 1) * per);
+        if (!any_row || tile_first >= tile_last) return;   // as attend(): the reduce never reads it
+    }
+    const int n_tiles = max(0, tile_last - tile_first);
+    const int mine = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
+
+    // This thread's two fragment rows (quad and quad + 8): validity, position, window start.
+    bool row_ok[2];
+    int row_pos[2], row_lo[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = quad + 8 * h, j = r / G;
+        row_ok[h] = r < rows_total && j < qlen;
+        row_pos[h] = past + j;
+        row_lo[h] = p.window > 0 ? row_pos[h] - p.window + 1 : 0;
+    }
+
+    // Q as A fragments, straight from global memory (rotated with kRope), zero for padding rows.
+    const T* query = static_cast<const T*>(p.query);
+    uint32_t qa[kSteps][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = quad + 8 * h, j = r / G;
+        const T* row = query + head_row(p, b, kvh * G + r % G, j) * D;
+#pragma unroll
+        for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int d = 16 * k + 8 * half + 2 * tq;
+                uint32_t v = 0;
+                if (row_ok[h]) {
+                    T x0 = row[d], x1 = row[d + 1];
+                    if constexpr (kRope) {
+                        if (d < p.rotary_dim) {
+                            const T r0 = rotated_element<T>(p, row, b, j, d, x0, x1);
+                            x1 = rotated_element<T>(p, row, b, j, d + 1, x1, x0);
+                            x0 = r0;
+                        }
+                    }
+                    v = pack2<T>(x0, x1);
+                }
+                qa[k][h + 2 * half] = v;
+            }
+        }
+    }
+
+    const T* k_cache = static_cast<const T*>(p.cache);
+    const T* v_cache = k_cache + p.cache_half;
+    const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks;
+    T* ring = reinterpret_cast<T*>(smem + warp * L::kRing);
+    auto k_stage = [&](int s) { return ring + s * 2 * kWarpTile * L::kLd; };
+    auto v_stage = [&](int s) { return k_stage(s) + kWarpTile * L::kLd; };
+
+    // Tile i of this warp into stage s; tokens outside [t_lo, t_end) or without a block read as 0.
+    auto tile_start = [&](int i) { return (tile_first + warp + i * kWarps) * kWarpTile; };   // this warp's i-th
+    auto load_tile = [&](int i, int s) {
+        const int t0 = tile_start(i);
+#pragma unroll
+        for (int it = 0; it < kWarpTile * kChunks / 32; ++it) {
+            const int c = lane + 32 * it, e = c / kChunks, dc = c % kChunks;
+            bool ok;
+            const int64_t off = kv_offset<D>(p, table, t0 + e, t_lo, t_end, kvh, dc, ok);
+            cp_async16(k_stage(s) + e * L::kLd + dc * 8, k_cache + off, ok);
+            cp_async16(v_stage(s) + e * L::kLd + dc * 8, v_cache + off, ok);
+        }
+    };
+
+    float acc[kNTiles][4];
+#pragma unroll
+    for (int n = 0; n < kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};   // l: this thread's columns only
+
+#pragma unroll
+    for (int s = 0; s < kDecodeStages - 1; ++s) {
+        if (s < mine) load_tile(s, s);
+        cp_async_commit();
+    }
+    for (int i = 0; i < mine; ++i) {
+        const int ahead = i + kDecodeStages - 1;   // its stage is the one step i - 1 finished with
+        if (ahead < mine) load_tile(ahead, ahead % kDecodeStages);
+        cp_async_commit();
+        cp_async_wait<kDecodeStages - 1>();
+        __syncwarp();
+        const T* k_tile = k_stage(i % kDecodeStages);
+        const T* v_tile = v_stage(i % kDecodeStages);
+
+        // S = Q.K^T, two n8 tiles of tokens; ldmatrix's four 8x8 matrices are four k8 slices.
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int k = 0; k < kSteps; k += 2) {
+                uint32_t kb[4];
+                ldmatrix_x4(kb, k_tile + (nt * 8 + lane % 8) * L::kLd + 16 * k + (lane / 8) * 8);
+                mma16816<T>(s[nt], qa[k], kb[0], kb[1]);
+                mma16816<T>(s[nt], qa[k + 1], kb[2], kb[3]);
+            }
+        }
+
+        // Online softmax in log2 units. Element e of n8 tile nt: row quad + 8 * (e / 2), token
+        // t0 + 8 * nt + 2 * tq + e % 2; a row's 16 tokens live in one quad of lanes.
+        const int t0 = tile_start(i) + 2 * tq;
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float m_tile = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int t = t0 + 8 * nt + e;
+                    float x = -INFINITY;
+                    if (row_ok[h] && t <= row_pos[h] && t >= row_lo[h]) {
+                        x = s[nt][2 * h + e] * p.scale;
+                        if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+                        x *= kLog2e;
+                    }
+                    s[nt][2 * h + e] = x;
+                    m_tile = fmaxf(m_tile, x);
+                }
+            }
+            m_tile = fmaxf(m_tile, __shfl_xor_sync(0xffffffffu, m_tile, 1));
+            m_tile = fmaxf(m_tile, __shfl_xor_sync(0xffffffffu, m_tile, 2));
+            const float m_new = fmaxf(m[h], m_tile);
+            // m_new == -inf: nothing allowed yet, so O and l stay zero.
+            alpha[h] = m_new != -INFINITY ? exp2f(m[h] - m_new) : 1.f;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float x = s[nt][2 * h + e];
+                    const float prob = x != -INFINITY ? exp2f(x - m_new) : 0.f;
+                    s[nt][2 * h + e] = prob;
+                    sum += prob;
+                }
+            }
+            m[h] = m_new;
+            l[h] = l[h] * alpha[h] + sum;
+        }
+
+        // P's accumulator layout is the A layout of the next product (k16 = the tile's tokens).
+        const uint32_t pa[4] = {pack2<T>(Num<T>::from_float(s[0][0]), Num<T>::from_float(s[0][1])),
+                                pack2<T>(Num<T>::from_float(s[0][2]), Num<T>::from_float(s[0][3])),
+                                pack2<T>(Num<T>::from_float(s[1][0]), Num<T>::from_float(s[1][1])),
+                                pack2<T>(Num<T>::from_float(s[1][2]), Num<T>::from_float(s[1][3]))};
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n) {
+            acc[n][0] *= alpha[0];
+            acc[n][1] *= alpha[0];
+            acc[n][2] *= alpha[1];
+            acc[n][3] *= alpha[1];
+        }
+        // O += P.V: ldmatrix.trans gives V's column-major B fragments, two n8 tiles per load.
+#pragma unroll
+        for (int n = 0; n < kNTiles; n += 2) {
+            uint32_t vb[4];
+            ldmatrix_x4_trans(vb, v_tile + ((lane / 8) % 2 * 8 + lane % 8) * L::kLd + 8 * n + (lane / 16) * 8);
+            mma16816<T>(acc[n], pa, vb[0], vb[1]);
+            mma16816<T>(acc[n + 1], pa, vb[2], vb[3]);
+        }
+        __syncwarp();   // the next step's prefetch overwrites this stage
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+    __syncthreads();   // every ring is drained: the merge area overlays them
+
+    float* o_w = reinterpret_cast<float*>(smem);
+    float* m_w = reinterpret_cast<float*>(smem + L::kMergeO);
+    float* l_w = m_w + kWarps * kDecodeRows;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = quad + 8 * h;
+        float* o_row = o_w + (warp * kDecodeRows + r) * L::kOld + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+            *reinterpret_cast<float2*>(o_row + 8 * n) = make_float2(acc[n][2 * h], acc[n][2 * h + 1]);
+        if (tq == 0) {
+            m_w[warp * kDecodeRows + r] = m[h];
+            l_w[warp * kDecodeRows + r] = l[h];
+        }
+    }
+    __syncthreads();
+
+    T* out = static_cast<T*>(p.output);
+    for (int c = tid; c < kDecodeRows * D; c += kThreads) {
+        const int r = c / D, d = c % D;
+        if (r >= rows_total) break;   // r grows with c
+        const int j = r / G, gh = r % G;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_w[w * kDecodeRows + r]);
+        float o = 0.f, den = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+            const float mw = m_w[w * kDecodeRows + r];
+            if (mw == -INFINITY) continue;   // a warp with nothing allowed for this row
+            const float scale = exp2f(mw - mx);
+            o += scale * o_w[(w * kDecodeRows + r) * L::kOld + d];
+            den += scale * l_w[w * kDecodeRows + r];
+        }
+        if (p.num_splits == 1) {
+            const bool valid = j < qlen && den > 0.f;
+            out[head_row(p, b, kvh * G + gh, j) * D + d] =
+                Num<T>::from_float(valid ? o / den : 0.f);
+        } else if (j < qlen) {
+            const int64_t prow = partial_row(p, b, kvh * G + gh, j, split);
+            p.partial_o[prow * D + d] = o;
+            if (d == 0) p.partial_ml[prow] = make_float2(mx, den);
         }
     }
 }
 
 template <typename T, int D, bool kRope>
 __global__ void __launch_bounds__(kThreads) paged_attention_decode(Params p) {
-    attend<T, D, kDecodeRows, kDecodeStages, kRope>(p);
+    decode<T, D, kRope>(p);
 }
 
 template <typename T, int D, bool kRope>
@@ -455,7 +799,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_split_reduce(Params 
     const int j = static_cast<int>(w % p.rows_seq);
     const int h = static_cast<int>(w / p.rows_seq % p.num_heads);
     const int b = static_cast<int>(w / (static_cast<int64_t>(p.rows_seq) * p.num_heads));
-    T* out = static_cast<T*>(p.output) + ((static_cast<int64_t>(b) * p.num_heads + h) * p.seq + j) * D + lane * kPer;
+    T* out = static_cast<T*>(p.output) + head_row(p, b, h, j) * D + lane * kPer;
     const int past = p.past_lens[b];
     const int qlen = past < 0 ? 0 : min(p.query_lens[b], p.rows_seq);
 
@@ -471,14 +815,29 @@ __global__ void __launch_bounds__(kThreads) paged_attention_split_reduce(Params 
         float mx = -INFINITY;
         for (int s = s0 + lane; s <= s1; s += 32) mx = fmaxf(mx, p.partial_ml[prow + s].x);
         mx = warp_max(mx);
-        for (int s = s0; s <= s1; ++s) {
-            const float2 ml = p.partial_ml[prow + s];
-            if (ml.y <= 0.f) continue;
-            const float scale = exp2f(ml.x - mx);
-            den += scale * ml.y;
-            const float* o = p.partial_o + (prow + s) * D + lane * kPer;
+        // A few splits' partials are loaded before any is summed: one at a time, a long context at
+        // batch 1 (32 splits) paid a round trip to L2 per split.
+        constexpr int kBatch = 8;
+        for (int base = s0; base <= s1; base += kBatch) {
+            float2 ml[kBatch];
 #pragma unroll
-            for (int e = 0; e < kPer; ++e) acc[e] += scale * o[e];
+            for (int u = 0; u < kBatch; ++u)
+                ml[u] = base + u <= s1 ? p.partial_ml[prow + base + u] : make_float2(0.f, 0.f);
+            float part[kBatch][kPer];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const float* o = p.partial_o + (prow + base + u) * D + lane * kPer;
+#pragma unroll
+                for (int e = 0; e < kPer; ++e) part[u][e] = ml[u].y > 0.f ? o[e] : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                if (ml[u].y <= 0.f) continue;   // a split with nothing allowed for this row (or past s1)
+                const float scale = exp2f(ml[u].x - mx);
+                den += scale * ml[u].y;
+#pragma unroll
+                for (int e = 0; e < kPer; ++e) acc[e] += scale * part[u][e];
+            }
         }
     }
     const float inv = den > 0.f ? 1.f / den : 0.f;
@@ -488,36 +847,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_split_reduce(Params 
 
 // One 16-byte chunk of a key head row (D elements of T, `row`), rotated: the chunk is loaded once
 // and rotated in registers; an interleaved pair lies within the chunk (chunks start at even
-// elements), a rotate-halves partner rotary_dim / 2 away is a scalar load (L1 hits: the
-// neighbouring threads load its chunk).
+// elements).
 template <typename T>
 __device__ __forceinline__ Pack8<T> rotated_key_chunk(const Params& p, const T* row, int b, int j, int dc) {
     const Pack8<T> x = *reinterpret_cast<const Pack8<T>*>(row + dc * 8);
-    const T* cos_row = rope_row<T>(p.rope_cos, p, b, j);
-    const T* sin_row = rope_row<T>(p.rope_sin, p, b, j);
-    const int half = p.rotary_dim / 2;
     Pack8<T> out;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
         const int d = dc * 8 + e;
-        if (d >= p.rotary_dim) {
-            out.v[e] = x.v[e];
-            continue;
-        }
-        int i;
-        bool second;
-        T partner;
-        if (p.rotary_interleaved) {
-            i = d >> 1;
-            second = d & 1;
-            partner = x.v[e ^ 1];
-        } else {
-            second = d >= half;
-            i = second ? d - half : d;
-            partner = row[second ? d - half : d + half];
-        }
-        out.v[e] = Num<T>::from_float(rope_rotate(Num<T>::to_float(x.v[e]), Num<T>::to_float(partner),
-                                                  Num<T>::to_float(cos_row[i]), Num<T>::to_float(sin_row[i]), second));
+        out.v[e] = d < p.rotary_dim ? rotated_element<T>(p, row, b, j, d, x.v[e], x.v[e ^ 1]) : x.v[e];
     }
     return out;
 }
@@ -583,8 +921,9 @@ Plan make_plan(const LlmcPagedAttentionArgs& a, int split_cap) {
     const int64_t ctas = static_cast<int64_t>(a.batch) * a.num_kv_heads * plan.row_tiles;
     const int64_t context = static_cast<int64_t>(a.max_blocks) * a.block_size;
     int64_t splits = 1;
-    if (ctas < kTargetCtas) {
-        splits = ceil_div(kTargetCtas, ctas);
+    const int target = plan.decode ? kDecodeTargetCtas : kPrefillTargetCtas;
+    if (ctas < target) {
+        splits = ceil_div(target, ctas);
         const int64_t by_length = ceil_div(context, kMinPartition);
         if (splits > by_length) splits = by_length;
     }
@@ -651,7 +990,7 @@ cudaError_t launch(const Params& p, const Plan& plan, cudaStream_t stream) {
     cudaError_t err;
     if (plan.decode) {
         static std::atomic<uint64_t> done{0};
-        constexpr size_t bytes = Smem<D, kDecodeRows, kDecodeStages>::bytes;
+        constexpr size_t bytes = DecodeSmem<D, kDecodeStages>::bytes;
         err = allow_smem(paged_attention_decode<T, D, kRope>, bytes, done);
         if (err != cudaSuccess) return err;
         paged_attention_decode<T, D, kRope><<<grid, kThreads, bytes, stream>>>(p);
