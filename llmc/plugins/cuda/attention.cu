@@ -180,6 +180,28 @@ __device__ __forceinline__ int64_t kv_offset(const Params& p, const int32_t* tab
     return off;
 }
 
+// The K/V tiles [first, last) of kTile tokens a CTA attends over, and the tokens [t_lo, t_end)
+// they hold: from the window start of its first row to its last row's own token, cut to its
+// split's partition. Its rows are tokens j_first..j_last of the step (none where j_first >
+// j_last). False for a split CTA with nothing to do: the reduce reads a row's split only if it
+// overlaps the row's range, so such a CTA writes nothing.
+template <int kTile>
+__device__ __forceinline__ bool kv_range(const Params& p, int past, int j_first, int j_last, int split, int& t_lo,
+                                         int& t_end, int& first, int& last) {
+    const bool any_row = j_first <= j_last;
+    t_end = any_row ? past + j_last + 1 : 0;
+    t_lo = (any_row && p.window > 0) ? max(0, past + j_first - p.window + 1) : 0;
+    first = t_lo / kTile;
+    last = (t_end + kTile - 1) / kTile;
+    if (p.num_splits > 1) {
+        const int per = p.partition / kTile;
+        first = max(first, split * per);
+        last = min(last, (split + 1) * per);
+        if (!any_row || first >= last) return false;
+    }
+    return true;
+}
+
 // Query head h's row for token j in the query and the output ([B, Hq, seq, D]), in units of D.
 __device__ __forceinline__ int64_t head_row(const Params& p, int b, int h, int j) {
     return (static_cast<int64_t>(b) * p.num_heads + h) * p.seq + j;
@@ -248,20 +270,10 @@ __device__ __forceinline__ void attend(const Params& p) {
     const int qlen = past < 0 ? 0 : min(p.query_lens[b], p.rows_seq);
 
     // The token range the tile's rows attend to, in K/V tiles; positions grow with the row index.
-    const int j_first = row0 / G;
-    const int j_last = min((row0 + M - 1) / G, qlen - 1);
-    const bool any_row = j_first <= j_last;
-    const int t_end = any_row ? past + j_last + 1 : 0;
-    const int t_lo = (any_row && p.window > 0) ? max(0, past + j_first - p.window + 1) : 0;
-    int tile_first = t_lo / kKvTile;
-    int tile_last = (t_end + kKvTile - 1) / kKvTile;
-    if (p.num_splits > 1) {
-        const int per = p.partition / kKvTile;
-        tile_first = max(tile_first, split * per);
-        tile_last = min(tile_last, (split + 1) * per);
-        // The reduce reads a row's split only if it overlaps the row's range, which is non-empty here.
-        if (!any_row || tile_first >= tile_last) return;
-    }
+    int t_lo, t_end, tile_first, tile_last;
+    if (!kv_range<kKvTile>(p, past, row0 / G, min((row0 + M - 1) / G, qlen - 1), split, t_lo, t_end, tile_first,
+                           tile_last))
+        return;
     const int n_tiles = max(0, tile_last - tile_first);
 
     const T* query = static_cast<const T*>(p.query);
@@ -551,18 +563,10 @@ __device__ __forceinline__ void decode(const Params& p) {
     const int qlen = past < 0 ? 0 : min(p.query_lens[b], p.rows_seq);
 
     // The CTA's token range, in warp tiles; query row r is token j = r / G of the step.
-    const int j_last = min((kDecodeRows - 1) / G, qlen - 1);
-    const bool any_row = j_last >= 0;
-    const int t_end = any_row ? past + j_last + 1 : 0;
-    const int t_lo = (any_row && p.window > 0) ? max(0, past - p.window + 1) : 0;
-    int tile_first = t_lo / kWarpTile;
-    int tile_last = (t_end + kWarpTile - 1) / kWarpTile;
-    if (p.num_splits > 1) {
-        const int per = p.partition / kWarpTile;
-        tile_first = max(tile_first, split * per);
-        tile_last = min(tile_last, (split + 1) * per);
-        if (!any_row || tile_first >= tile_last) return;   // as attend(): the reduce never reads it
-    }
+    int t_lo, t_end, tile_first, tile_last;
+    if (!kv_range<kWarpTile>(p, past, 0, min((kDecodeRows - 1) / G, qlen - 1), split, t_lo, t_end, tile_first,
+                             tile_last))
+        return;
     const int n_tiles = max(0, tile_last - tile_first);
     const int mine = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
 
