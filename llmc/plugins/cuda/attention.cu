@@ -217,7 +217,9 @@ __host__ __device__ constexpr size_t max_size(size_t a, size_t b) { return a > b
 
 // Shared memory of one prefill CTA (attend()). The fp32 output staging of the epilogue reuses
 // the K/V buffers, which are dead by then.
-template <int D, int M, int kStages> struct Smem {
+template <int D> struct PrefillSmem {
+    static constexpr int M = kPrefillRows;
+    static constexpr int kStages = kPrefillStages;
     static constexpr int kLd = D + kPad;              // Q, K, V rows (16-bit elements)
     static constexpr int kSld = kKvTile + kFloatPad;  // scores (floats)
     static constexpr int kPld = kKvTile + kPad;       // probabilities (16-bit)
@@ -236,9 +238,10 @@ template <int D, int M, int kStages> struct Smem {
     static constexpr size_t bytes = stat_off + round128(kStats);
 };
 
-template <typename T, int D, int M, int kStages, bool kRope>
+template <typename T, int D, bool kRope>
 __device__ __forceinline__ void attend(const Params& p) {
-    using L = Smem<D, M, kStages>;
+    using L = PrefillSmem<D>;
+    constexpr int M = L::M, kStages = L::kStages;
     constexpr int kChunks = D / 8;           // 16-byte chunks per head row
     constexpr int kRowBlocks = M / 16;
     constexpr int kColBlocks = D / 16;
@@ -499,7 +502,8 @@ __device__ __forceinline__ void attend(const Params& p) {
 constexpr int kWarpTile = 16;   // tokens per warp step: one k16 of P.V
 static_assert(kKvTile % kWarpTile == 0, "split partitions must be whole warp tiles");
 
-template <int D, int kStages> struct DecodeSmem {
+template <int D> struct DecodeSmem {
+    static constexpr int kStages = kDecodeStages;
     static constexpr int kLd = D + kPad;                              // K, V rows (16-bit elements)
     static constexpr size_t kTile = size_t(kWarpTile) * kLd * 2;      // one K or V tile, bytes
     static constexpr size_t kRing = kStages * 2 * kTile;              // a warp's K and V stages
@@ -547,7 +551,7 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(T lo, T hi) {
 
 template <typename T, int D, bool kRope>
 __device__ __forceinline__ void decode(const Params& p) {
-    using L = DecodeSmem<D, kDecodeStages>;
+    using L = DecodeSmem<D>;
     constexpr int kChunks = D / 8;          // 16-byte chunks per head row
     constexpr int kSteps = D / 16;          // k16 steps of Q.K^T
     constexpr int kNTiles = D / 8;          // n8 tiles of O
@@ -788,7 +792,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(Params p) {
 
 template <typename T, int D, bool kRope>
 __global__ void __launch_bounds__(kThreads) paged_attention_prefill(Params p) {
-    attend<T, D, kPrefillRows, kPrefillStages, kRope>(p);
+    attend<T, D, kRope>(p);
 }
 
 // One warp per (row, head, token): merges the splits that overlap the token's attention range,
@@ -994,13 +998,13 @@ cudaError_t launch(const Params& p, const Plan& plan, cudaStream_t stream) {
     cudaError_t err;
     if (plan.decode) {
         static std::atomic<uint64_t> done{0};
-        constexpr size_t bytes = DecodeSmem<D, kDecodeStages>::bytes;
+        constexpr size_t bytes = DecodeSmem<D>::bytes;
         err = allow_smem(paged_attention_decode<T, D, kRope>, bytes, done);
         if (err != cudaSuccess) return err;
         paged_attention_decode<T, D, kRope><<<grid, kThreads, bytes, stream>>>(p);
     } else {
         static std::atomic<uint64_t> done{0};
-        constexpr size_t bytes = Smem<D, kPrefillRows, kPrefillStages>::bytes;
+        constexpr size_t bytes = PrefillSmem<D>::bytes;
         err = allow_smem(paged_attention_prefill<T, D, kRope>, bytes, done);
         if (err != cudaSuccess) return err;
         paged_attention_prefill<T, D, kRope><<<grid, kThreads, bytes, stream>>>(p);
