@@ -487,6 +487,13 @@ def test_logprobs_match_in_process_streamed_and_not(server, local):
     assert "".join(lp.tokens) == r.choices[0].text
     for entry, top in zip(expected.logprobs, lp.top_logprobs):
         assert len(top) == 3 and max(top.values()) == pytest.approx(entry.logprob, abs=1e-5)  # greedy: the top one
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="code", prompt=prompt, max_tokens=6, temperature=0, logprobs=3, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs]
+    # A stream's columns, joined, are the whole response's: text offsets go on counting across chunks.
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert [x for s in streamed for x in s.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
     chunks = list(client.chat.completions.create(model="code", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
                                                  stream=True))

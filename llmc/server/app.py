@@ -239,6 +239,7 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
             try:
                 first = [True] * len(streams)
                 sent = [0] * len(streams)  # log-probabilities already streamed, per choice
+                at = [0] * len(streams)  # characters of token text already streamed, per choice
                 async for ready in choices:
                     written = []
                     for index, out in ready:
@@ -246,8 +247,10 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
                         finish = _finish_reason(out)
                         logprobs = None
                         if out.logprobs is not None:
-                            logprobs = _logprobs(tokenizer, out.logprobs[sent[index]:], chat)
+                            logprobs = _logprobs(tokenizer, out.logprobs[sent[index]:], chat, at[index])
                             sent[index] = len(out.logprobs)
+                            if not chat:
+                                at[index] += sum(map(len, logprobs["tokens"]))
                         if chat:
                             delta = ({"role": "assistant", "content": out.delta} if first[index]
                                      else {"content": out.delta})
@@ -348,8 +351,9 @@ class _EventStream(Response):
             await self.chunks.aclose()
 
 
-def _logprobs(tokenizer, entries, chat: bool) -> dict:
-    """OpenAI's logprobs object of these tokens: chat's `content` list, or completions' columns.
+def _logprobs(tokenizer, entries, chat: bool, at: int = 0) -> dict:
+    """OpenAI's logprobs object of these tokens: chat's `content` list, or completions' columns,
+    whose `text_offset` counts from `at` (the token text a stream already sent, as vLLM counts).
     A token's text is what it decodes to alone."""
     def text(token: int) -> str:
         return tokenizer.decode([token], skip_special_tokens=False)
@@ -362,7 +366,7 @@ def _logprobs(tokenizer, entries, chat: bool) -> dict:
         return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
                             for e in entries]}
     tokens = [text(e.token) for e in entries]
-    offsets, at = [], 0
+    offsets = []
     for t in tokens:
         offsets.append(at)
         at += len(t)
