@@ -194,9 +194,9 @@ def _cpu_spent(pid: int, before: tuple[int, int], client_before: float, tokens: 
 
 class _Sides:
     """One round's processes: `llmc serve` and the in-process worker, started afresh. A process's
-    memory placement alone moves its step times by a few percent (docs/serve.md), so a run that
-    kept its two processes would carry their draw in every ratio; new ones each round average it
-    out."""
+    memory placement alone moves its step times by a few percent (docs/serve_overhead.md), so a
+    run that kept its two processes would carry their draw in every ratio; new ones each round
+    average it out."""
 
     def __init__(self, engine: str):
         with socket.socket() as s:

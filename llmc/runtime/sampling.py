@@ -195,7 +195,7 @@ def _support(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -
 
 
 # The cumulative sum is taken in two levels, block sums and then one block's entries: numpy's
-# cumsum is a serial loop over the whole vocabulary, its sums are not (docs/serve.md).
+# cumsum is a serial loop over the whole vocabulary, its sums are not (docs/serve_overhead.md).
 _DRAW_BLOCK = 512
 
 

@@ -314,7 +314,7 @@ class _EventStream(Response):
     """A server-sent event stream, written a chunk at a time. One task waits for the client's
     disconnect and cancels the writer, whose chunks' generator then closes (aborting the request).
     Starlette's StreamingResponse does the same in an anyio task group, which cost the event loop
-    more per request (docs/serve.md, "the server's Python per request")."""
+    more per request (docs/serve_overhead.md, "the server's Python per request")."""
 
     media_type = "text/event-stream"
 
