@@ -22,6 +22,9 @@ request at a time, --requests of them), --concurrency streams sent at once, and 
 several prompts, but over HTTP the server parses the requests one by one and the first often
 starts alone: its TTFT falls and its TPOT rises (it decodes through the others' prefills) at the
 same E2E, which the at-once rows print beside. Spaced requests arrive alike on every side.
+A ratio's bracket is a 95% bootstrap interval over rounds (each round's processes are a draw of
+their own): one run's ratios move by a few points on a shared 2-core host, as much as a target's
+margin, and the interval says how far this run pins them.
 Prompts are distinct random token ids, so nothing hits the prefix cache. Every side decodes
 greedily: the API's default temperature (1) would add a sampling pass over the vocabulary per
 token to the HTTP sides only.
@@ -179,6 +182,21 @@ def _served(url: str) -> tuple[float, float, float]:
             value("vllm:request_time_per_output_token_seconds_count"))
 
 
+def _interval(base: list, side: list, per_round: int, stat, draws: int = 2000) -> str:
+    """A 95% bootstrap interval of stat(side) / stat(base), resampling whole rounds: a round's two
+    sides ran beside each other in fresh processes, so rounds, not requests, are the independent
+    samples. `base` and `side` hold `per_round` records a round, in round order."""
+    rounds = len(base) // per_round
+    if rounds < 2 or side is base:
+        return ""
+    split = [[rs[r * per_round:(r + 1) * per_round] for r in range(rounds)] for rs in (base, side)]
+    picks = np.random.default_rng(1).integers(0, rounds, (draws, rounds))
+    ratios = [stat([x for r in pick for x in split[1][r]]) / stat([x for r in pick for x in split[0][r]])
+              for pick in picks]
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return f" [{low:.3f}-{high:.3f}]"
+
+
 def _schedstat(pid: int) -> tuple[int, int]:
     """A process's main thread's ns on a CPU and ns runnable but waiting for one (Linux's /proc)."""
     run_ns, wait_ns, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
@@ -295,12 +313,18 @@ def main() -> None:
     print(f"engine {args.engine}: {args.prompt}-token prompts, {args.new} new tokens, {args.rounds} rounds, "
           "interleaved; ms")
     print(f"batch 1 ({args.requests} requests per round): TTFT mean, TPOT mean; / in-process")
+    print("  (in brackets: a 95% interval of the ratio, rounds resampled)")
     base = runs["in-process", None]
+
+    def mean_of(i):
+        return lambda rs: mean([r[i] for r in rs])
+
     for name in SIDES:
         rs = runs[name, None]
         ttft, tpot = mean([r[0] for r in rs]), mean([r[1] for r in rs])
         print(f"  {name:>12} TTFT {ttft:7.3f}  TPOT {tpot:7.3f}   {ttft / mean([r[0] for r in base]):.3f}x"
-              f"  {tpot / mean([r[1] for r in base]):.3f}x")
+              f"{_interval(base, rs, args.requests, mean_of(0))}"
+              f"  {tpot / mean([r[1] for r in base]):.3f}x{_interval(base, rs, args.requests, mean_of(1))}")
     engine = runs["in-process engine", None]
     for client, sums in served.items():
         ttft, tpot = (mean([s[i] for s in sums]) for i in range(2))
@@ -318,14 +342,16 @@ def main() -> None:
     for (spacing, k), label in zip(loads[1:], ("sent at once", f"sent {args.spacing:g} ms apart")):
         print(f"{k} concurrent streams, {label}: TPOT p50 / p99 and E2E p99 over requests, ITL p99 over "
               "gaps; TPOT p99, E2E p99 / in-process")
-        base = p99s(runs["in-process", spacing])
+        base_runs = runs["in-process", spacing]
+        base = p99s(base_runs)
         for name in SIDES:
             rs = runs[name, spacing]
             tpot, e2e = p99s(rs)
             itl = [g for r in rs for g in r[2]]
             print(f"  {name:>12} TPOT p50 {np.percentile([r[1] for r in rs], 50) * 1e3:7.3f}  p99 {tpot * 1e3:7.3f}"
                   f"  E2E p99 {e2e * 1e3:6.0f}  ITL p99 {np.percentile(itl, 99) * 1e3:7.3f}   "
-                  f"{tpot / base[0]:.3f}x  {e2e / base[1]:.3f}x")
+                  f"{tpot / base[0]:.3f}x{_interval(base_runs, rs, k, lambda rs: p99s(rs)[0])}"
+                  f"  {e2e / base[1]:.3f}x")
 
 
 if __name__ == "__main__":
