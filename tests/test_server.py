@@ -159,12 +159,32 @@ def test_chat_uses_the_template_streamed_and_not(server, local):
     ('{"prompt": "x", "stop": [""]}', "stop", "non-empty"),
     ('{"prompt": [99999]}', "prompt", "outside the vocabulary"),
     ('{bad json', None, "not valid JSON"),
+    ('{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty", "presence_penalty: llmc does not implement"),
+    ('{"prompt": "x", "logit_bias": {"5": -100}}', "logit_bias", "does not implement logit_bias"),
+    ('{"prompt": "x", "echo": true}', "echo", "does not implement echo"),
+    ('{"prompt": "x", "best_of": 3}', "best_of", "does not implement best_of"),
 ])
 def test_bad_requests_get_400_naming_the_field(server, body, param, fragment):
     status, error, _ = server.post("/v1/completions", body)
     assert status == 400, error
     assert error["error"]["param"] == param and fragment in error["error"]["message"]
     assert error["error"]["type"] == "invalid_request_error"
+
+
+def test_unimplemented_fields_pass_at_their_neutral_values_and_chat_takes_max_completion_tokens(server, local):
+    client = _client(server)
+    r = client.completions.create(model="code", prompt="def f(x):", max_tokens=6, temperature=0, presence_penalty=0,
+                                  frequency_penalty=0, logit_bias={}, best_of=1, echo=False,
+                                  extra_body={"repetition_penalty": 1.0, "ignore_eos": True})
+    assert r.choices[0].text == local.generate("def f(x):", SamplingParams(max_tokens=6, ignore_eos=True)).text
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="code", messages=messages, max_completion_tokens=5, max_tokens=50,
+                                       temperature=0, tools=[], response_format={"type": "text"},
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+    status, error, _ = server.post("/v1/chat/completions", json.dumps({
+        "messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}))
+    assert status == 400 and error["error"]["param"] == "tools" and "does not implement tools" in error["error"]["message"]
 
 
 @pytest.mark.parametrize("messages,fragment", [

@@ -171,7 +171,8 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
         else:
             param = ".".join(loc) or None
             shown = "input" in first and loc and first.get("type") != "missing"  # a missing field's input is the body
-            message = f"{param or 'body'}: {first.get('msg')}" + (f" (got {first['input']!r:.80})" if shown else "")
+            why = first.get("msg", "").removeprefix("Value error, ")  # pydantic's prefix for our own checks
+            message = f"{param or 'body'}: {why}" + (f" (got {first['input']!r:.80})" if shown else "")
         return JSONResponse(error_body(message, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

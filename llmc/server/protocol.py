@@ -8,9 +8,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from llmc.runtime.sampling import MAX_LOGPROBS, SamplingParams
+
+
+# The values of the unimplemented fields that leave the output as it is.
+_NO_EFFECT = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+              "logit_bias": (None, {}), "best_of": (None, 1), "echo": (False,), "suffix": (None, ""),
+              "tools": (None, []), "response_format": (None, {"type": "text"})}
 
 
 class StreamOptions(BaseModel):
@@ -31,11 +37,32 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # Fields that change the output, which llmc does not implement: taken at the value that
+    # changes nothing, refused otherwise (ignoring them would answer another question).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                     "best_of", "echo", "suffix", "tools", "response_format", check_fields=False)
+    @classmethod
+    def _unimplemented(cls, value, info: ValidationInfo):
+        neutral = _NO_EFFECT[info.field_name]
+        if info.field_name == "best_of":  # the best n of n is all n
+            neutral = (*neutral, info.data.get("n"))
+        if value not in neutral:
+            raise ValueError(f"llmc does not implement {info.field_name}; leave it out")
+        return value
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
 
     def sampling(self, index: int, default_max_tokens: int) -> SamplingParams:
         """The i-th of the request's n choices: seeded choices get seeds of their own."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
+        return SamplingParams(max_tokens=self.token_limit or default_max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k,
                               seed=None if self.seed is None else self.seed + index, stop=stop,
                               ignore_eos=self.ignore_eos, logprobs=self.top_logprobs_wanted)
@@ -54,6 +81,9 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(min_length=1)
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's completions default
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = None
+    echo: bool = False
+    suffix: str | None = None
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -71,10 +101,17 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # chat's newer name for max_tokens
+    tools: list | None = None
+    response_format: dict | None = None
 
     @property
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
