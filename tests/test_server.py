@@ -127,6 +127,29 @@ def test_streamed_completion_with_usage_and_stop_string(server, local):
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
 
+def test_several_prompts_in_one_request_each_answer_as_alone(server, local):
+    """OpenAI's completions take a list of prompts (what evaluation harnesses send): choice i of
+    prompt p is choice p * n + i, and each is what the prompt alone gets."""
+    client = _client(server)
+    prompts = ["def read(path):\n", "class Point:\n"]
+    alone = [local.generate(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
+    kw = dict(model="code", max_tokens=6, temperature=0, n=2, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [a.text for a in alone for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(len(a.prompt_token_ids) for a in alone)
+    assert r.usage.completion_tokens == 4 * 6
+    chunks = list(client.completions.create(prompt=[a.prompt_token_ids for a in alone], stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(4)]
+    assert texts == [a.text for a in alone for _ in range(2)]
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    for body, fragment in [('{"prompt": ["a", 1]}', "valid string"),
+                           ('{"prompt": ["a", ""]}', "prompt 1: prompt is empty")]:
+        status, error, _ = server.post("/v1/completions", body)
+        assert status == 400 and error["error"]["param"] == "prompt" and fragment in error["error"]["message"], error
+
+
 def test_n_choices_with_a_seed_are_distinct_and_repeatable(server):
     client = _client(server)
     kw = dict(model="code", prompt="class Config:\n", max_tokens=12, temperature=0.9, n=3, seed=5)
@@ -383,6 +406,15 @@ def test_full_queue_answers_429_with_retry_after(code_engine):
         status, error, headers = s.post("/v1/completions", '{"prompt": "x", "max_tokens": 2}')
         assert status == 429 and headers.get("retry-after") == "1"
         assert "queue is full" in error["error"]["message"]
+    finally:
+        s.close()
+
+
+def test_a_request_larger_than_the_queue_bound_is_taken_when_nothing_waits(code_engine):
+    s = _Server(code_engine, "--max-waiting", "2")
+    try:
+        status, body, _ = s.post("/v1/completions", '{"prompt": ["a", "b", "c"], "max_tokens": 2}')
+        assert status == 200 and len(body["choices"]) == 3, body
     finally:
         s.close()
 

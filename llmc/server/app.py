@@ -1,10 +1,10 @@
 """`llmc serve`: an OpenAI-compatible HTTP server over one AsyncLLM, shared by every connection.
 
 The engine loads in a worker thread after the server starts (`/health` answers 503 until it is
-ready). A request is one `AsyncLLM` stream per choice (`n`); a client that disconnects closes
-its streams, which aborts the requests and frees their blocks at once. The waiting queue is
-bounded (429 with Retry-After past it), and every refused request gets OpenAI's error body
-naming the field, without touching the others.
+ready). A request is one `AsyncLLM` stream per choice (`n` of each prompt); a client that
+disconnects closes its streams, which aborts the requests and frees their blocks at once. The
+waiting queue is bounded (429 with Retry-After past it), and every refused request gets OpenAI's
+error body naming the field, without touching the others.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ from llmc.server.protocol import ChatCompletionRequest, CompletionRequest, _Samp
 
 # The fields a runtime refusal can be about, in the order its message is searched for them.
 _FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "prompt")
+
+
+# How pydantic names the members of the request fields' unions in an error's location.
+_UNION_MEMBERS = {"str", "int", "list[int]", "list[str]", "list[list[int]]"}
 
 
 class HttpError(Exception):
@@ -74,26 +78,32 @@ class _Server:
             raise HttpError(503, message, kind="service_unavailable", headers={"Retry-After": "1"})
         return self.engine
 
-    # -- a request: n streams ------------------------------------------------------------------
+    # -- a request: n streams a prompt ---------------------------------------------------------
 
-    async def start(self, body: _Sampling, prompt: str | list[int] | Prompt, default_max_tokens) -> tuple[str, list]:
+    async def start(self, body: _Sampling, prompts: list[str | list[int] | Prompt],
+                    default_max_tokens: int) -> tuple[str, list]:
+        """The streams of every prompt's n choices: choice i of prompt p is stream p * n + i, with
+        the sampling (and seed) that choice i of the prompt alone would have."""
         engine = self.ready()
-        waiting = engine.num_waiting
-        if waiting + body.n > self.max_waiting:
+        # A request larger than the bound is taken when nothing waits: it would never fit otherwise.
+        waiting, total = engine.num_waiting, len(prompts) * body.n
+        if waiting >= self.max_waiting or (waiting and waiting + total > self.max_waiting):
             raise HttpError(429, f"the server's queue is full ({waiting} requests waiting, at most "
                                  f"{self.max_waiting}); retry later", kind="rate_limit_exceeded",
                             headers={"Retry-After": "1"})
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = []
         try:
-            prompt = await engine.tokenize(prompt)  # once for all n choices
-            for i in range(body.n):
-                params = body.sampling(i, default_max_tokens)
-                streams.append(await engine.add_request(prompt, params, request_id=f"{rid}-{i}"))
+            for p, prompt in enumerate(prompts):
+                which = f"prompt {p}: " if len(prompts) > 1 else ""  # which of several a refusal is about
+                prompt = await engine.tokenize(prompt)  # once for all n choices
+                for i in range(body.n):
+                    params = body.sampling(i, default_max_tokens)
+                    streams.append(await engine.add_request(prompt, params, request_id=f"{rid}-{len(streams)}"))
         except RequestError as exc:
             for stream in streams:
                 await stream.aclose()
-            raise HttpError(400, str(exc), _param_of(str(exc))) from None
+            raise HttpError(400, which + str(exc), _param_of(str(exc))) from None
         return rid, streams
 
     async def choices(self, streams: list) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
@@ -165,7 +175,8 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # The field's path, without the body and without the union member pydantic tried ("list[str]").
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and p not in _UNION_MEMBERS]
         if first.get("type") == "json_invalid":
             message, param = f"the body is not valid JSON ({first.get('msg')}); send a JSON object", None
         else:
@@ -198,7 +209,7 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        rid, streams = await server.start(body, body.prompt, 16)
+        rid, streams = await server.start(body, body.prompts, 16)
         return await _respond(server, request, body, rid, streams, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -214,7 +225,7 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
             prompt = await tokenizing(render, sum(len(m.content or "") for m in body.messages))
         except RequestError as exc:
             raise HttpError(400, str(exc), "messages") from None
-        rid, streams = await server.start(body, prompt, max(1, llm.max_context - len(prompt.ids)))
+        rid, streams = await server.start(body, [prompt], max(1, llm.max_context - len(prompt.ids)))
         return await _respond(server, request, body, rid, streams, chat=True)
 
     return app
@@ -224,8 +235,9 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"
 
-    def usage(outs) -> dict:  # the prompt as the engine tokenized it, once per request (not per choice)
-        prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
+    def usage(outs: dict[int, RequestOutput]) -> dict:  # each prompt as the engine tokenized it, once (not per choice)
+        prompt = sum(len(o.prompt_token_ids) for index, o in outs.items() if index % body.n == 0)
+        completion = sum(len(o.token_ids) for o in outs.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     tokenizer = server.engine.llm.tokenizer
@@ -262,7 +274,7 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
                         written.append(b'%s"choices": [%s]}\n\n' % (head, json.dumps(choice).encode()))
                     yield b"".join(written)  # one write for all that were ready
                 if body.include_usage:
-                    counts = json.dumps(usage(list(latest.values()))).encode()
+                    counts = json.dumps(usage(latest)).encode()
                     yield b'%s"choices": [], "usage": %s}\n\n' % (head, counts)
                 yield b"data: [DONE]\n\n"
             finally:
@@ -302,7 +314,7 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
             results.append({"index": index, "text": out.text, "logprobs": logprobs,
                             "finish_reason": _finish_reason(out)})
     return {"id": rid, "object": kind, "created": created, "model": server.model, "choices": results,
-            "usage": usage(list(finals.values()))}
+            "usage": usage(finals)}
 
 
 async def _disconnected(receive) -> None:

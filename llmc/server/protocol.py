@@ -78,7 +78,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)  # one prompt, or several
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's completions default
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
@@ -88,6 +88,12 @@ class CompletionRequest(_Sampling):
     @property
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: text, or token ids, each."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
 
 
 class ChatMessage(BaseModel):
