@@ -44,8 +44,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0  # vLLM's
     logit_bias: dict[str, float] | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                     "best_of", "echo", "suffix", "tools", "response_format", check_fields=False)
+    @field_validator(*_NO_EFFECT, check_fields=False)  # fields only one endpoint has are declared on its request
     @classmethod
     def _unimplemented(cls, value, info: ValidationInfo):
         neutral = _NO_EFFECT[info.field_name]
