@@ -30,14 +30,10 @@ from llmc.runtime.chat import ChatTemplate
 from llmc.runtime.llm import Prompt
 from llmc.runtime.request import RequestOutput
 from llmc.server.prometheus import ServerMetrics
-from llmc.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling, error_body
+from llmc.server.protocol import UNION_MEMBERS, ChatCompletionRequest, CompletionRequest, _Sampling, error_body
 
 # The fields a runtime refusal can be about, in the order its message is searched for them.
 _FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "prompt")
-
-
-# How pydantic names the members of the request fields' unions in an error's location.
-_UNION_MEMBERS = {"str", "int", "list[int]", "list[str]", "list[list[int]]"}
 
 
 class HttpError(Exception):
@@ -176,7 +172,7 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
         # The field's path, without the body and without the union member pydantic tried ("list[str]").
-        loc = [str(p) for p in first.get("loc", ()) if p != "body" and p not in _UNION_MEMBERS]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and p not in UNION_MEMBERS]
         if first.get("type") == "json_invalid":
             message, param = f"the body is not valid JSON ({first.get('msg')}); send a JSON object", None
         else:

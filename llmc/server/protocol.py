@@ -13,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from llmc.runtime.sampling import MAX_LOGPROBS, SamplingParams
 
 
+# How pydantic names the members of these models' unions in an error's location (`prompt`'s,
+# `stop`'s): not part of the field's path that an error body names.
+UNION_MEMBERS = {"str", "int", "list[int]", "list[str]", "list[list[int]]"}
+
 # The values of the unimplemented fields that leave the output as it is.
 _NO_EFFECT = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
               "logit_bias": (None, {}), "best_of": (None, 1), "echo": (False,), "suffix": (None, ""),
