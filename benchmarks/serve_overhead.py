@@ -4,26 +4,29 @@
         [--concurrency 16] [--spacing 2]
 
 Every side is timed as its caller sees it: request made -> first token in hand (TTFT), (last -
-first) / (n - 1) (TPOT), gaps between tokens (ITL). In-process: AsyncLLM in a worker process of its
-own on uvloop (the loop the server runs), timed where its stream yields ("in-process", the
-ratios' base) and, for reference, by the engine's RequestOutput.metrics ("in-process engine":
-arrival = add_request, a token's time = its step's end, before it reaches any caller). HTTP:
-`llmc serve` in its own process, driven from this one by two clients:
+first) / (n - 1) (TPOT), gaps between tokens (ITL). Both sides run on one `llmc serve` process,
+which this script starts as the CLI does, with one addition: between HTTP requests it runs the
+in-process side's on the server's own AsyncLLM and event loop (uvloop), so the sides share one
+engine and differ by HTTP alone. In-process requests are timed where their stream yields
+("in-process", the ratios' base) and, for reference, by the engine's RequestOutput.metrics
+("in-process engine": arrival = add_request, a token's time = its step's end, before it reaches
+any caller). HTTP requests come from this process, by two clients:
 - "openai": the openai package's AsyncOpenAI, streaming;
 - "sse": bare keep-alive sockets (one per concurrent stream, each read by a thread of its own
   with blocking recv calls; opened before the timing starts, as a client's pool holds them) that
   json-decode each event. The server's overhead, with the least client CPU on the cores the
   server shares here (a client on another machine takes none): half an asyncio reader's.
-Each round starts the server and the in-process worker afresh (a process's memory placement is
-worth a few percent of its step times) and runs three loads, each on every side in turn (order
-rotating per round): batch 1 (one
-request at a time, --requests of them), --concurrency streams sent at once, and as many sent
---spacing ms apart. "At once" is one loop tick in-process, where the engine's first step takes
-several prompts, but over HTTP the server parses the requests one by one and the first often
-starts alone: its TTFT falls and its TPOT rises (it decodes through the others' prefills) at the
-same E2E, which the at-once rows print beside. Spaced requests arrive alike on every side.
-A ratio's bracket is a 95% bootstrap interval over rounds (each round's processes are a draw of
-their own): one run's ratios move by a few points on a shared 2-core host, as much as a target's
+Each round starts the server afresh (a process's memory placement is worth a few percent of its
+step times: shared by both sides, it cancels in a round's ratios) and runs three loads on every
+side: batch 1 (one request at a time, --requests of them, the sides taking turns request by
+request), --concurrency streams sent at once, and as many sent --spacing ms apart (a burst per
+side's turn); the order of turns rotates. "At once" is one loop tick in-process, where the
+engine's first step takes several prompts, but over HTTP the server parses the requests one by
+one and the first often starts alone: its TTFT falls and its TPOT rises (it decodes through the
+others' prefills) at the same E2E, which the at-once rows print beside. Spaced requests arrive
+alike on every side.
+A ratio's bracket is a 95% bootstrap interval over rounds (each round's process is a draw of its
+own): one run's ratios move by a few points on a shared 2-core host, as much as a target's
 margin, and the interval says how far this run pins them.
 Prompts are distinct random token ids, so nothing hits the prefix cache. Every side decodes
 greedily: the API's default temperature (1) would add a sampling pass over the vocabulary per
@@ -41,11 +44,12 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import re
+import select
 import socket
 import statistics
-import subprocess
-import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -58,13 +62,13 @@ CLIENTS = ("sse", "openai")
 SIDES = ("in-process", "in-process engine", *(f"http {c}" for c in CLIENTS))
 
 
-def _in_process(conn, engine: str) -> None:
-    from llmc.runtime.async_llm import AsyncLLM
+async def _in_process(llm, prompts, n, spacing):
+    """Each prompt's (caller's, engine's) timings through AsyncLLM `llm` on the running loop: one
+    after another (spacing None), or all together, the i-th added i * spacing seconds after the
+    first. The caller's are taken where the stream yields, the engine's from RequestOutput.metrics."""
     from llmc.runtime.sampling import SamplingParams
 
-    llm = AsyncLLM(engine)
-
-    async def one(prompt, n, delay=0.0):
+    async def one(prompt, delay=0.0):
         await asyncio.sleep(delay)
         start = time.perf_counter()
         stream = await llm.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -75,19 +79,47 @@ def _in_process(conn, engine: str) -> None:
         m = last.metrics
         return _timings(start, times), (m.ttft, m.tpot, m.itl)
 
-    async def batch(prompts, n, spacing):
-        return await asyncio.gather(*(one(p, n, i * spacing) for i, p in enumerate(prompts)))
+    if spacing is None:
+        return [await one(p) for p in prompts]
+    return await asyncio.gather(*(one(p, i * spacing) for i, p in enumerate(prompts)))
 
-    import uvloop  # the loop `llmc serve` runs on (uvicorn[standard]): the sides differ by HTTP alone
 
-    loop = uvloop.new_event_loop()  # one loop for the worker's life: AsyncLLM's step loop lives on it
-    conn.send("ready")
-    while (job := conn.recv()) is not None:
-        prompts, n, spacing = job
-        if spacing is None:
-            conn.send([loop.run_until_complete(batch([p], n, 0.0))[0] for p in prompts])
-        else:
-            conn.send(loop.run_until_complete(batch(prompts, n, spacing)))
+def _server(conn, engine: str, port: int) -> None:
+    """`llmc serve ENGINE`, run by the CLI as users run it, plus a thread that runs this script's
+    in-process requests on the server's own AsyncLLM and event loop when the pipe asks (between
+    HTTP requests, never during one). Both sides then share one engine, so a round's ratios
+    carry no draw of two processes' memory placements (docs/serve_overhead.md)."""
+    import contextlib
+
+    import llmc.server.app as server_app
+    from llmc.cli import main as cli
+
+    apps, loops = [], []
+    create_app = server_app.create_app
+
+    def capture(*args, **kwargs):  # keeps the app, and its loop once it serves
+        app = create_app(*args, **kwargs)
+        inner = app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            loops.append(asyncio.get_running_loop())
+            async with inner(app) as state:
+                yield state
+
+        app.router.lifespan_context = lifespan
+        apps.append(app)
+        return app
+
+    def jobs():
+        while (job := conn.recv()) is not None:  # the first job comes once /health answered 200
+            llm = apps[0].state.server.engine
+            conn.send(asyncio.run_coroutine_threadsafe(_in_process(llm, *job), loops[0]).result())
+
+    server_app.create_app = capture
+    threading.Thread(target=jobs, daemon=True).start()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the CLI's banner and uvicorn's warnings
+    cli(["serve", engine, "--port", str(port), "--model", "m"], standalone_mode=False)
 
 
 async def _openai_one(client, prompt, n, delay=0.0):
@@ -146,29 +178,51 @@ def _refusal(sock: socket.socket, data: bytes) -> str:
     return f"{status}: {body[:300].decode(errors='replace')}"
 
 
-def _http(url: str, client: str, prompts, n, spacing: float | None):
-    """Each prompt's timings through `llmc serve`: one after another (spacing None), or all
-    streaming together, the i-th sent i * spacing seconds after the first."""
-    if client == "openai":
+class _Http:
+    """A round's HTTP clients: the openai package's on an event loop of its own, and the sse
+    client's keep-alive connection for batch-1 requests, both kept across the round as a client's
+    pool keeps them (a new connection per request would put its set-up in that request's TTFT)."""
+
+    def __init__(self, url: str):
         import openai
 
-        async def run():
-            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as http:
-                if spacing is None:
-                    return [await _openai_one(http, p, n) for p in prompts]
-                return await asyncio.gather(*(_openai_one(http, p, n, i * spacing) for i, p in enumerate(prompts)))
+        self.port = int(url.rsplit(":", 1)[1])
+        self.loop = asyncio.new_event_loop()
+        self.openai = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        self.sock = socket.create_connection(("127.0.0.1", self.port))
 
-        return asyncio.run(run())
-    port = int(url.rsplit(":", 1)[1])
-    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(1 if spacing is None else len(prompts))]
-    try:
+    def __call__(self, client: str, prompts, n, spacing: float | None):
+        """Each prompt's timings through `llmc serve`: one after another (spacing None), or all
+        streaming together, the i-th sent i * spacing seconds after the first."""
+        if client == "openai":
+            async def together():
+                return await asyncio.gather(*(_openai_one(self.openai, p, n, i * spacing) for i, p in enumerate(prompts)))
+
+            if spacing is None:
+                return [self.loop.run_until_complete(_openai_one(self.openai, p, n)) for p in prompts]
+            return self.loop.run_until_complete(together())
         if spacing is None:
-            return [_sse_one(socks[0], p, n) for p in prompts]
-        with ThreadPoolExecutor(len(prompts)) as threads:
-            return list(threads.map(lambda i: _sse_one(socks[i], prompts[i], n, i * spacing), range(len(prompts))))
-    finally:
-        for sock in socks:
-            sock.close()
+            return [_sse_one(self._kept(), p, n) for p in prompts]
+        socks = [socket.create_connection(("127.0.0.1", self.port)) for _ in prompts]
+        try:
+            with ThreadPoolExecutor(len(prompts)) as threads:
+                return list(threads.map(lambda i: _sse_one(socks[i], prompts[i], n, i * spacing), range(len(prompts))))
+        finally:
+            for sock in socks:
+                sock.close()
+
+    def _kept(self) -> socket.socket:
+        """The batch-1 connection, opened again if the server closed it while it sat idle
+        (uvicorn's keep-alive timeout is 5 s; httpx's pool does the same for the openai client)."""
+        if select.select([self.sock], [], [], 0)[0]:  # an idle connection reads only at its end
+            self.sock.close()
+            self.sock = socket.create_connection(("127.0.0.1", self.port))
+        return self.sock
+
+    def close(self) -> None:
+        self.sock.close()
+        self.loop.run_until_complete(self.openai.close())
+        self.loop.close()
 
 
 def _served(url: str) -> tuple[float, float, float]:
@@ -211,22 +265,20 @@ def _cpu_spent(pid: int, before: tuple[int, int], client_before: float, tokens: 
 
 
 class _Sides:
-    """One round's processes: `llmc serve` and the in-process worker, started afresh. A process's
-    memory placement alone moves its step times by a few percent (docs/serve_overhead.md), so a
-    run that kept its two processes would carry their draw in every ratio; new ones each round
-    average it out."""
+    """One round's process: `llmc serve`, started afresh, which also runs the in-process side's
+    requests on its own engine. A process's memory placement alone moves its step times by a few
+    percent (docs/serve_overhead.md): sharing the engine keeps that draw out of the ratios, and a
+    new process each round samples it."""
 
     def __init__(self, engine: str):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.engine, self.url = engine, f"http://127.0.0.1:{port}"
-        self.server = subprocess.Popen([sys.executable, "-m", "llmc.cli", "serve", engine, "--port", str(port),
-                                        "--model", "m"], stderr=subprocess.DEVNULL)
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.worker = ctx.Process(target=_in_process, args=(child, engine), daemon=True)
-        self.worker.start()
+        self.server = ctx.Process(target=_server, args=(child, engine, port), daemon=True)
+        self.server.start()
 
     def __enter__(self) -> "_Sides":
         try:
@@ -235,10 +287,9 @@ class _Sides:
                     urllib.request.urlopen(self.url + "/health", timeout=1)
                     break
                 except OSError:
-                    if self.server.poll() is not None:
-                        raise SystemExit(f"llmc serve {self.engine} exited with {self.server.returncode}")
+                    if not self.server.is_alive():
+                        raise SystemExit(f"llmc serve {self.engine} exited with {self.server.exitcode}")
                     time.sleep(0.2)
-            assert self.conn.recv() == "ready"
         except BaseException:
             self.__exit__()
             raise
@@ -249,11 +300,10 @@ class _Sides:
         return self.conn.recv()
 
     def __exit__(self, *exc) -> None:
-        if self.worker.is_alive():
+        if self.server.is_alive():
             self.conn.send(None)
-            self.worker.join(10)
-        self.server.terminate()
-        self.server.wait()
+            self.server.terminate()  # SIGTERM: the server drains (nothing runs) and exits
+            self.server.join(30)
 
 
 def main() -> None:
@@ -278,8 +328,8 @@ def main() -> None:
 
     loads = ((None, args.requests), (0.0, args.concurrency), (args.spacing / 1e3, args.concurrency))
     runs = {(name, spacing): [] for name in SIDES for spacing, _ in loads}
-    served = {c: [] for c in CLIENTS}  # (TTFT, TPOT) as the server's engine timed each batch-1 load
-    cpu = []  # the batch-1 sse side's CPU a token, per round
+    served = {c: [] for c in CLIENTS}  # (TTFT, TPOT) as the server's engine timed each batch-1 turn
+    cpu = []  # the batch-1 sse side's CPU a token, per turn
     for rnd in range(args.rounds):
         with _Sides(args.engine) as sides:
             def local(ps, spacing):  # caller-timed, and the engine's metrics of the same requests
@@ -287,25 +337,32 @@ def main() -> None:
                 runs["in-process engine", spacing] += [engine for _, engine in pairs]
                 return [caller for caller, _ in pairs]
 
-            url, pid = sides.url, sides.server.pid
+            url, pid, http = sides.url, sides.server.pid, _Http(sides.url)
             for client in CLIENTS:  # warm every side
-                _http(url, client, prompts(2), args.new, None)
+                http(client, prompts(2), args.new, None)
             sides.local(prompts(2), args.new, None)
             for spacing, k in loads:
                 order = [("in-process", lambda ps: local(ps, spacing))]
-                order += [(f"http {c}", lambda ps, c=c: _http(url, c, ps, args.new, spacing)) for c in CLIENTS]
-                for name, run in order[rnd % len(order):] + order[:rnd % len(order)]:
-                    time.sleep(0.2)  # the other side's idle threads park
-                    ps, watched = prompts(k), name == "http sse" and spacing is None
-                    counted = _served(url) if name.startswith("http") and spacing is None else None
-                    before = (_schedstat(pid), time.process_time()) if watched else None
-                    runs[name, spacing] += run(ps)
-                    if watched:
-                        cpu.append(_cpu_spent(pid, *before, tokens=k * args.new))
-                    if counted:
-                        while (now := _served(url))[2] < counted[2] + k:  # the last request is counted as it ends
-                            time.sleep(0.01)
-                        served[name.removeprefix("http ")].append([(a - b) / k for a, b in zip(now[:2], counted[:2])])
+                order += [(f"http {c}", lambda ps, c=c: http(c, ps, args.new, spacing)) for c in CLIENTS]
+                # Sides take turns a request at a time at batch 1, a burst at a time otherwise: the
+                # closer in time two sides' requests run, the less this host's drift parts them.
+                per_turn = 1 if spacing is None else k
+                for turn in range(k // per_turn):
+                    shift = (rnd + turn) % len(order)
+                    for name, run in order[shift:] + order[:shift]:
+                        time.sleep(0.2)  # each side's turn starts with ORT's threads parked
+                        ps, watched = prompts(per_turn), name == "http sse" and spacing is None
+                        counted = _served(url) if name.startswith("http") and spacing is None else None
+                        before = (_schedstat(pid), time.process_time()) if watched else None
+                        runs[name, spacing] += run(ps)
+                        if watched:
+                            cpu.append(_cpu_spent(pid, *before, tokens=per_turn * args.new))
+                        if counted:
+                            while (now := _served(url))[2] < counted[2] + per_turn:  # counted as it ends
+                                time.sleep(0.01)
+                            served[name.removeprefix("http ")].append(
+                                [(a - b) / per_turn for a, b in zip(now[:2], counted[:2])])
+            http.close()
 
     def mean(xs):
         return statistics.mean(xs) * 1e3
