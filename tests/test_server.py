@@ -205,6 +205,10 @@ def test_unimplemented_fields_pass_at_their_neutral_values_and_chat_takes_max_co
                                        temperature=0, tools=[], response_format={"type": "text"},
                                        extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 5
+    status, error, _ = server.post("/v1/chat/completions", json.dumps({"messages": messages,
+                                                                       "max_completion_tokens": 100000}))
+    assert status == 400 and error["error"]["param"] == "max_completion_tokens", error
+    assert "lower max_completion_tokens to" in error["error"]["message"]
     status, error, _ = server.post("/v1/chat/completions", json.dumps({
         "messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}))
     assert status == 400 and error["error"]["param"] == "tools" and "does not implement tools" in error["error"]["message"]

@@ -33,7 +33,7 @@ from llmc.server.prometheus import ServerMetrics
 from llmc.server.protocol import UNION_MEMBERS, ChatCompletionRequest, CompletionRequest, _Sampling, error_body
 
 # The fields a runtime refusal can be about, in the order its message is searched for them.
-_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "prompt")
+_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "prompt")
 
 
 class HttpError(Exception):
@@ -99,7 +99,8 @@ class _Server:
         except RequestError as exc:
             for stream in streams:
                 await stream.aclose()
-            raise HttpError(400, which + str(exc), _param_of(str(exc))) from None
+            message = re.sub(r"\bmax_tokens\b", body.token_limit_field, str(exc))  # the name the request used
+            raise HttpError(400, which + message, _param_of(message)) from None
         return rid, streams
 
     async def choices(self, streams: list) -> AsyncIterator[list[tuple[int, RequestOutput]]]:

@@ -62,6 +62,11 @@ class _Sampling(BaseModel):
     def token_limit(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def token_limit_field(self) -> str:
+        """The field `token_limit` came from, which a refusal about it names."""
+        return "max_tokens"
+
     def sampling(self, index: int, default_max_tokens: int) -> SamplingParams:
         """The i-th of the request's n choices: seeded choices get seeds of their own."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -121,6 +126,10 @@ class ChatCompletionRequest(_Sampling):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def token_limit_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
