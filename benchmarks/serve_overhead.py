@@ -195,11 +195,12 @@ class _Http:
         """Each prompt's timings through `llmc serve`: one after another (spacing None), or all
         streaming together, the i-th sent i * spacing seconds after the first."""
         if client == "openai":
+            if spacing is None:
+                return [self.loop.run_until_complete(_openai_one(self.openai, p, n)) for p in prompts]
+
             async def together():
                 return await asyncio.gather(*(_openai_one(self.openai, p, n, i * spacing) for i, p in enumerate(prompts)))
 
-            if spacing is None:
-                return [self.loop.run_until_complete(_openai_one(self.openai, p, n)) for p in prompts]
             return self.loop.run_until_complete(together())
         if spacing is None:
             return [_sse_one(self._kept(), p, n) for p in prompts]

@@ -59,13 +59,13 @@ class _Sampling(BaseModel):
         return value
 
     @property
-    def token_limit(self) -> int | None:
-        return self.max_tokens
+    def token_limit_field(self) -> str:
+        """The field that holds the request's token limit, which a refusal about it names."""
+        return "max_tokens"
 
     @property
-    def token_limit_field(self) -> str:
-        """The field `token_limit` came from, which a refusal about it names."""
-        return "max_tokens"
+    def token_limit(self) -> int | None:
+        return getattr(self, self.token_limit_field)
 
     def sampling(self, index: int, default_max_tokens: int) -> SamplingParams:
         """The i-th of the request's n choices: seeded choices get seeds of their own."""
@@ -122,10 +122,6 @@ class ChatCompletionRequest(_Sampling):
     @property
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
 
     @property
     def token_limit_field(self) -> str:
