@@ -238,8 +238,8 @@ def _served(url: str) -> tuple[float, float, float]:
 
 
 def _interval(base: list, side: list, per_round: int, stat, draws: int = 2000) -> str:
-    """A 95% bootstrap interval of stat(side) / stat(base), resampling whole rounds: a round's two
-    sides ran beside each other in fresh processes, so rounds, not requests, are the independent
+    """A 95% bootstrap interval of stat(side) / stat(base), resampling whole rounds: a round's
+    sides ran in turns on one fresh process, so rounds, not requests, are the independent
     samples. `base` and `side` hold `per_round` records a round, in round order."""
     rounds = len(base) // per_round
     if rounds < 2 or side is base:
