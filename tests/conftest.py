@@ -46,15 +46,19 @@ def _export_each_checkpoint_once():
 
     real, graphs = export.export_onnx, {}
 
-    def export_onnx(hf_model, spec):
-        weights = hashlib.sha256()
-        for name, tensor in hf_model.state_dict().items():
-            weights.update(name.encode())
-            weights.update(tensor.detach().contiguous().numpy().tobytes())
-        key = (str(hf_model.name_or_path), hf_model.config.to_json_string(), repr(spec), weights.hexdigest())
+    def export_onnx(hf_model, spec, weights=None):
+        from llmc.compiler.weights import file_identity
+
+        # The graph reads the folder's weights: its files' names, sizes and times stand for them.
+        folder = Path(hf_model.config._name_or_path)
+        files = file_identity(folder) if folder.is_dir() else ""
+        key = (str(folder), files, hf_model.config.to_json_string(), repr(spec), weights is None)
         if key not in graphs:
-            model = real(hf_model, spec)
-            graphs[key] = ir.to_proto(model).SerializeToString()
+            model = real(hf_model, spec, weights)
+            try:  # reads every weight: a damaged checkpoint's build must find out in its own time
+                graphs[key] = ir.to_proto(model).SerializeToString()
+            except Exception:
+                pass
             return model
         return ir.from_proto(onnx.ModelProto.FromString(graphs[key]))
 

@@ -16,6 +16,7 @@ from llmc.cli import main
 from llmc.contract import open_engine
 from llmc.contract.options import BuildOptions
 from llmc.errors import LlmcError
+from llmc.passes import quantizers
 from llmc.passes.quantizers import SYMMETRIC_RANGE, quantize, relative_error
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling import SamplingParams
@@ -60,6 +61,26 @@ def test_an_all_zero_block_stays_zero():
     w[32:] = 0.5
     q = quantize(w, 4, 32, True, "search")
     assert np.all(q.dequantize()[:32] == 0) and np.all(np.isfinite(q.dequantize()))
+
+
+@pytest.mark.parametrize("block, symmetric, aware", [(32, True, False), (64, False, True), (128, True, True)])
+def test_tiles_change_no_result(monkeypatch, block, symmetric, aware):
+    """The quantizer works on tiles of columns (in threads): quantizing column ranges apart, cut
+    anywhere but into single columns, gives the whole weight's integers and scales."""
+    monkeypatch.setattr(quantizers, "TILE", block * 40)  # tiles of at most 40 columns: 7 over 261
+    rng = np.random.default_rng(block)
+    w = _weight(rng, k=256, n=261)
+    w[:block, 5] = 0  # an all-zero block
+    importance = rng.random(256).astype(np.float32) * 10 if aware else None
+    assert len(quantizers.column_chunks(261, block)) == 7
+    whole = quantize(w, 4, block, symmetric, "search", importance)
+    cuts = [0, 2, 41, 100, 187, 189, 261]
+    parts = [quantize(np.ascontiguousarray(w[:, a:b]), 4, block, symmetric, "search", importance)
+             for a, b in zip(cuts, cuts[1:])]
+    for field in ("q", "scale") + (() if symmetric else ("zero_point",)):
+        together = np.concatenate([getattr(p, field) for p in parts], axis=1)
+        assert together.dtype == getattr(whole, field).dtype
+        assert np.array_equal(together, getattr(whole, field)), field
 
 
 @pytest.mark.parametrize("options, message", [
@@ -130,13 +151,14 @@ def test_the_canonical_graph_runs_in_onnx_runtime_with_dequantize_linear(hf_mode
     # 2 layers x 7 projections, the LM head; the embedding's Gather feeds one DequantizeLinear.
     assert result.counts == {"quantize_matmul": 15, "quantize_embedding": 1}
     assert ops.count("DequantizeLinear") == 16
+    quantized = ir.to_proto(model).SerializeToString()  # computes the lazily quantized weights
     records = records_of(model)
     assert {r["role"] for r in records.values()} == {"body", "lm_head", "embedding"}
     assert all(0 < r["relative_error"] < 0.02 for r in records.values())
     feeds = {"input_ids": np.arange(3, 19, dtype=np.int64).reshape(2, 8),
              "position_ids": np.tile(np.arange(8, dtype=np.int64), (2, 1))}
     run = [ort.InferenceSession(m, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
-           for m in (fp32, ir.to_proto(model).SerializeToString())]
+           for m in (fp32, quantized)]
     # The weights differ by 0.5% (int8); this random model's logits by ~4% (bf16 weights, 0.17%
     # off, move them ~0.9%). A wrong block axis or scale would be off by the logits' own size.
     assert np.abs(run[0] - run[1]).mean() < 0.06 * np.abs(run[0]).mean()

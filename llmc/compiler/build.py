@@ -8,6 +8,7 @@ nothing at the target path.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -103,7 +104,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
     import onnx_ir as ir
 
     from llmc.compiler.export import export_onnx
-    from llmc.compiler.frontend import load_hf_model, model_spec_from_config, read_config, resolve_model
+    from llmc.compiler.frontend import load_checkpoint, model_spec_from_config, read_config, resolve_model
     from llmc.compiler.tokenizer import export_tokenizer
     from llmc.passes.cpu_kernels import kernel_library_missing
     from llmc.passes.draft_vocab import DraftVocab, kept_tokens
@@ -150,14 +151,15 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         stage("resolve", t, f"{spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}")
 
         t = time.perf_counter()
-        say("load", "loading weights", False)
-        hf_model = load_hf_model(folder)
+        say("load", "reading the checkpoint's headers", False)
+        hf_model, weights = load_checkpoint(folder, spec)
         num_params = sum(p.numel() for p in hf_model.parameters())
+        writer.reserve(engine_bytes(spec, options))  # or refuse before the export
         stage("load", t, f"{num_params / 1e6:.1f}M parameters")
 
         t = time.perf_counter()
         say("export", "torch.export -> ONNX opset 23", False)
-        model = export_onnx(hf_model, spec)
+        model = export_onnx(hf_model, spec, weights)
         del hf_model
         stage("export", t, f"{sum(1 for _ in model.graph)} nodes")
 
@@ -185,11 +187,10 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         manager = PassManager(passes, verifier=verifier(spec, options.block_size) if options.verify else None,
                               dump_dir=dump_ir,
                               on_pass=lambda r: say("passes", f"{r.name}: {_counts_text(r.counts)}", True))
-        records = manager.run(model, spec)
+        with _own_errors():
+            records = manager.run(model, spec)
         io = _graph_io(model, spec)
         head_tokens = kept_tokens(model)
-        quantized = {name: QuantizedTensor(r["role"], r["format"], tuple(r["shape"]), round(r["relative_error"], 6))
-                     for name, r in records_of(model).items()}
         if options.backend == "onnxruntime" and options.kv_cache_dtype != "fp32" and \
                 kv_layout.of_model(model) != kv_layout.HEAD_MAJOR:
             raise LlmcError(f"--kv-cache-dtype {options.kv_cache_dtype} needs llmc's CPU attention kernel, which "
@@ -200,10 +201,13 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
 
         t = time.perf_counter()
         say("save", f"writing {output}", False)
-        # The weights are nearly all of an engine: what a full disk is told it needed.
-        writer.expected_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values()
-                                    if v.const_value is not None)
-        ir.save(model, writer.path / MODEL_FILE, external_data=WEIGHTS_FILE)
+        with _own_errors():  # a weight read while writing may find the checkpoint damaged
+            # Lazy weights are computed as they are written: this is most of a build's time.
+            ir.save(model, writer.path / MODEL_FILE, external_data=WEIGHTS_FILE,
+                    callback=_save_progress(say, writer.expected_bytes))
+        # Lazily quantized weights were computed as they were written: their errors are known now.
+        quantized = {name: QuantizedTensor(r["role"], r["format"], tuple(r["shape"]), round(r["relative_error"], 6))
+                     for name, r in records_of(model).items()}
         backend = Backend("onnxruntime", "cpu", (cpu.DOMAIN,) if cpu.DOMAIN in model.opset_imports else ())
         payload, kv_dtype = Payload(MODEL_FILE, WEIGHTS_FILE), options.kv_cache_dtype
         if tools is not None:
@@ -232,6 +236,50 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             lm_head_tokens=head_tokens,
         ))
     return BuildResult(output, stages, peak_rss_mb(), manager.misses)
+
+
+# Bytes a stored weight takes per parameter: its value and its block's float16 scale (blocks of 32).
+BYTES_PER_PARAMETER = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1 + 2 / 32, "int6": 0.75 + 2 / 32,
+                       "int4": 0.5 + 2 / 32}
+
+
+def engine_bytes(spec: ModelSpec, options: BuildOptions) -> int:
+    """The engine's size on disk, from the config and the options alone (before any work)."""
+    table = spec.vocab_size * spec.hidden_size
+    body = spec.parameter_count() - table * (1 if spec.tie_word_embeddings else 2)
+    return int(body * BYTES_PER_PARAMETER[options.format_of("body")]
+               + table * BYTES_PER_PARAMETER[options.format_of("embedding")]
+               + table * BYTES_PER_PARAMETER[options.format_of("lm_head")])
+
+
+def _save_progress(say: Progress, expected_bytes: int):
+    """onnx_ir's per-tensor callback as a progress line: tensor i of N, bytes, elapsed, ETA."""
+    started = time.perf_counter()
+
+    def written(tensor, info) -> None:
+        elapsed, done = time.perf_counter() - started, info.offset
+        eta = f", ETA {elapsed * (expected_bytes / done - 1):.0f}s" if done and expected_bytes > done else ""
+        say("save", f"weights: tensor {info.index + 1} of {info.total} ({done / 2**30:.2f} of ~"
+                    f"{expected_bytes / 2**30:.2f} GiB), {elapsed:.0f}s{eta}", False)
+
+    return written
+
+
+@contextlib.contextmanager
+def _own_errors():
+    """llmc's own one-line errors raised from inside a library's call (onnx_ir's serializer wraps
+    what a lazy weight raised) come out as they were raised."""
+    try:
+        yield
+    except LlmcError:
+        raise
+    except Exception as exc:
+        cause = exc
+        while cause is not None and not isinstance(cause, LlmcError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise cause from None
 
 
 def _tensorrt_plan(tools, root: Path, spec: ModelSpec, options: BuildOptions) -> tuple[Backend, Payload]:

@@ -4,6 +4,12 @@ The canonical graph is the model without any cache: the token ids and their posi
 (llmc.contract.graph_io.TOKEN_INPUTS), logits [B,S,V] out. At opset 23 the exporter's optimizer
 already emits RMSNormalization, RotaryEmbedding and Attention; KV-cache I/O is added later by a
 pass, not by the exporter.
+
+The export never needs the weights' values: the module's parameters may be fake tensors (shapes
+only, `frontend.skeleton_model`), and every parameter becomes an initializer whose values are read
+from `Weights` when a pass or the writer asks (llmc.passes.lazy). The exporter's optimizer runs with
+the parameters detached, so it cannot fold them into copies; the one fold it did to weights, a
+Linear's transpose, is done here as a lazy transposed view.
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ import contextlib
 import io
 import logging
 import warnings
+
+import numpy as np
+import onnx_ir as ir
 
 from llmc.contract import graph_io
 from llmc.contract.model_spec import ModelSpec
@@ -22,9 +31,12 @@ OPSET = 23
 IR_VERSION = 11
 
 
-def export_onnx(hf_model, spec: ModelSpec):
-    """Export `hf_model` with dynamic batch and sequence dims and return an onnx_ir Model."""
+def export_onnx(hf_model, spec: ModelSpec, weights=None):
+    """Export `hf_model` with dynamic batch and sequence dims and return an onnx_ir Model whose
+    parameters read from `weights` (llmc.compiler.weights; default: the module's own state dict)."""
     import torch
+
+    from llmc.compiler.weights import StateDictWeights
 
     from llmc.compiler.rope import make_rope_per_row
 
@@ -56,7 +68,7 @@ def export_onnx(hf_model, spec: ModelSpec):
                 output_names=[graph_io.LOGITS],
                 dynamic_shapes={name: dims for name in graph_io.TOKEN_INPUTS},
                 verbose=False,
-                optimize=True,
+                optimize=False,
             )
     except Exception as exc:
         while exc.__cause__ is not None:  # torch.onnx wraps the exporter's own reason
@@ -65,7 +77,58 @@ def export_onnx(hf_model, spec: ModelSpec):
                          "this model's code is not exportable: report it with the model's config.json") from None
     model = program.model
     model.ir_version = IR_VERSION
+    # The names each parameter goes by (a tied LM head is the embedding): the exporter may use any.
+    names: dict[int, list[str]] = {}
+    for name, param in hf_model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    params = {f"model.{name}": group for group in names.values() for name in group}
+    if weights is None:
+        weights = StateDictWeights(hf_model.state_dict())
+    _optimize(model, params, weights)
     return model
+
+
+def _optimize(model, params: dict[str, list[str]], weights) -> None:
+    """The exporter's own optimizer and fusions over the graph with the parameters detached; then
+    each parameter reads from `weights`, and a weight read only by a 2-D Transpose becomes its
+    transposed view (what the optimizer's folding made of a Linear)."""
+    import onnxscript.optimizer
+    import onnxscript.rewriter.onnx_fusions
+
+    from llmc.passes import lazy
+
+    detached = {}
+    for name, value in model.graph.initializers.items():
+        if name in params:  # the exporter names them model.<the module's parameter name>
+            detached[name] = value
+            value.const_value = None
+    with _quiet():
+        onnxscript.optimizer.optimize_ir(model)
+        onnxscript.rewriter.onnx_fusions.fuse(model)
+    for name, value in detached.items():
+        if model.graph.initializers.get(name) is not value:
+            continue  # optimized away
+        stored = next((n for n in params[name] if weights.has(n)), params[name][0])
+        value.const_value = _checkpoint_tensor(weights, stored, value)
+        users = value.uses()
+        transpose = users[0].node if len(users) == 1 else None
+        if transpose is None or transpose.op_type != "Transpose" or len(value.const_value.shape) != 2 or \
+                tuple(transpose.attributes.get_ints("perm", [1, 0])) != (1, 0):
+            continue
+        out = transpose.outputs[0]
+        folded = ir.Value(name=f"{stored}.T", const_value=lazy.transposed(value.const_value),
+                          shape=ir.Shape(value.const_value.shape[::-1]), type=value.type)
+        model.graph.initializers.add(folded)
+        out.replace_all_uses_with(folded, replace_graph_outputs=True)
+        model.graph.remove(transpose, safe=True)
+        model.graph.initializers.pop(name)
+
+
+def _checkpoint_tensor(weights, name: str, value):
+    from llmc.passes import lazy
+
+    shape = tuple(value.shape.numpy()) if value.shape is not None else weights.shape(name)
+    return lazy.Lazy(np.float32, shape, lambda a, b: weights.read(name, a, b), name=name)
 
 
 @contextlib.contextmanager

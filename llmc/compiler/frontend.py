@@ -164,6 +164,97 @@ def _layer_types(config: dict[str, Any], family: str, window: int | None) -> tup
     return () if all(t == "sliding_attention" for t in types) else tuple(types)
 
 
+def load_checkpoint(folder: Path, spec: ModelSpec):
+    """(the module to trace, its weights): a skeleton over the safetensors on disk, or for a
+    folder of PyTorch .bin files only, the model transformers loads whole and its state dict."""
+    from llmc.compiler import weights
+
+    if weights.has_safetensors(folder):
+        stored = weights.open_weights(folder)
+        implied, held = spec.parameter_count(), stored.parameter_count()
+        if implied > 1.25 * held:  # before building a module of that size
+            raise ModelError(f"config.json describes a model of {implied:,} parameters but the checkpoint in {folder} "
+                             f"holds {held:,}; config.json is not this checkpoint's (or is damaged): fix it")
+        model = skeleton_model(folder)
+        _check_tensors(model, stored, folder)
+        return model, stored
+    model = load_hf_model(folder)
+    return model, weights.StateDictWeights(model.state_dict())
+
+
+def _check_tensors(model, stored, folder: Path) -> None:
+    """Every parameter the config implies is in the checkpoint with its shape, and nothing else is
+    (a tied parameter under any of its names; what transformers ignores on loading, ignored)."""
+    import re
+
+    from llmc.compiler.weights import layer_of
+
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    shapes = {id(p): tuple(p.shape) for p in model.parameters()}
+    expected = set()
+    for key, group in names.items():
+        found = next((n for n in group if stored.has(n)), None)
+        if found is None:
+            raise ModelError(f"the checkpoint in {folder} has no tensor {group[0]}{layer_of(group[0])}, which "
+                             "config.json implies; the download is incomplete or config.json is not this "
+                             "checkpoint's")
+        if stored.shape(found) != shapes[key]:
+            raise ModelError(f"tensor {found} is {list(stored.shape(found))} in the checkpoint but config.json "
+                             f"implies {list(shapes[key])}; config.json is not this checkpoint's: fix it")
+        expected.update(group)
+    ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    extra = [n for n in stored.names() if n not in expected and not n.endswith("rotary_emb.inv_freq")
+             and not any(p.search(n) for p in ignored)]
+    if extra:
+        raise ModelError(f"the checkpoint in {folder} holds {extra[0]}{layer_of(extra[0])}"
+                         f"{f' (and {len(extra) - 1} more tensors)' if len(extra) > 1 else ''}, which the model "
+                         "config.json describes has no place for; config.json is not this checkpoint's: fix it")
+
+
+def skeleton_model(folder: Path):
+    """The checkpoint's transformers module with every parameter a fake tensor (shape and dtype,
+    no storage) and its buffers real (RoPE's inverse frequencies are computed, not stored): what
+    torch.export needs to trace the model, built in seconds and a few MB whatever the model's size.
+    The weights stay on disk (llmc.compiler.weights) until a pass or the writer reads them."""
+    import torch
+    import transformers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    transformers.utils.logging.disable_progress_bar()
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):  # never initialized, never given memory
+        if param is not None and not param.is_meta:  # a meta one is already ours (tied weights)
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=False)
+        register(module, name, param)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+            torch.nn.Module.register_parameter = on_meta
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ModelError(f"transformers cannot build the model of {folder / 'config.json'}: {first_line(exc)}; "
+                         "fix config.json") from None
+    finally:
+        torch.nn.Module.register_parameter = register
+    # torch.export traces on the CPU: each meta parameter becomes a fake CPU tensor, tied ones one.
+    fake, made = FakeTensorMode(allow_non_fake_inputs=True), {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in made:
+                    with fake:
+                        made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                                             requires_grad=False)
+                module._parameters[name] = made[id(param)]
+    return model.eval()
+
+
 def load_hf_model(folder: Path):
     """Load the checkpoint in fp32 with the SDPA attention the exporter turns into ONNX Attention."""
     import torch

@@ -101,6 +101,14 @@ class EngineWriter:
         if isinstance(exc, OSError) and exc.errno in _NO_ROOM:
             raise EngineError(self._no_room(exc)) from None
 
+    def reserve(self, nbytes: int) -> None:
+        """The engine will take about `nbytes`: refuse now, before any work, where the disk lacks them."""
+        self.expected_bytes = nbytes
+        free = shutil.disk_usage(self.target.parent).free
+        if free < nbytes:
+            raise EngineError(f"cannot write engine {self.target}: it needs about {_gib_or_mib(nbytes)} and "
+                              f"{self.target.parent} has {_gib_or_mib(free)} free; free some space or choose another -o")
+
     def _no_room(self, exc: OSError) -> str:
         free = shutil.disk_usage(self.target.parent).free  # measured after the partial engine is gone
         need = f"about {_gib_or_mib(self.expected_bytes)}" if self.expected_bytes else "more room"

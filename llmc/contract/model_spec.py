@@ -47,6 +47,14 @@ class ModelSpec:
             return 0
         return self.sliding_window
 
+    def parameter_count(self) -> int:
+        """The parameters the config implies (projections, embeddings; norms and biases, a rounding
+        error, left out): what a build compares with the bytes on disk before any work."""
+        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attention + mlp) + embeddings
+
     @property
     def longrope_boundary(self) -> int | None:
         """The sequence length beyond which longrope rotates with its long factors (None: not

@@ -18,12 +18,12 @@ def mean_square_inputs(model: ir.Model, windows: np.ndarray) -> dict[str, np.nda
     MatMuls with a constant right operand; `windows` is [W, S] token ids, run one window a call."""
     import onnxruntime as ort
 
-    from llmc.passes.quantize_weights import matmul_weight
+    from llmc.passes.quantize_weights import matmul_tensor
 
     copy = ir.from_proto(ir.to_proto(model))
     watched = {}
     for node in copy.graph:
-        if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and matmul_weight(node.inputs[1]) is not None:
+        if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and matmul_tensor(node.inputs[1]) is not None:
             x = node.inputs[0]
             if not x.is_graph_output():
                 copy.graph.outputs.append(x)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from llmc.passes import lazy
+
 ONNX_DOMAINS = ("", "ai.onnx")
 
 
@@ -29,10 +31,18 @@ def const_ints(value: ir.Value | None) -> list[int] | None:
 
 
 def weight(value: ir.Value | None) -> np.ndarray | None:
-    """The numpy contents of a constant initializer (a weight), or None."""
+    """The numpy contents of a constant initializer (a weight), or None. This computes a lazy
+    weight whole: a rule that needs only its dtype and shape, or its columns, asks `tensor`."""
     if value is None or value.const_value is None or not value.is_initializer():
         return None
     return value.const_value.numpy()
+
+
+def tensor(value: ir.Value | None) -> lazy.Lazy | None:
+    """A constant initializer's tensor as a Lazy one (dtype, dims, columns on demand), or None."""
+    if value is None or value.const_value is None or not value.is_initializer():
+        return None
+    return lazy.of(value.const_value)
 
 
 def perm(node: ir.Node) -> tuple[int, ...] | None:

@@ -15,7 +15,8 @@ import numpy as np
 import onnx_ir as ir
 
 from llmc.contract.model_spec import ModelSpec
-from llmc.passes.graph import ONNX_DOMAINS, weight
+from llmc.passes import lazy
+from llmc.passes.graph import ONNX_DOMAINS, tensor, weight
 from llmc.passes.pattern import Match
 from llmc.passes.rewrite import Rule, RulePass
 
@@ -42,8 +43,8 @@ def _bias_adds(siblings: list[ir.Node]) -> list[ir.Node] | None:
         if len(uses) != 1 or uses[0].node.op_type != "Add" or uses[0].node.domain not in ONNX_DOMAINS:
             return None
         add = uses[0].node
-        bias, w = weight(add.inputs[1 - uses[0].idx]), weight(node.inputs[1])
-        if bias is None or bias.ndim != 1 or w is None or w.ndim != 2 or bias.shape[0] != w.shape[1] \
+        bias, w = tensor(add.inputs[1 - uses[0].idx]), tensor(node.inputs[1])
+        if bias is None or len(bias.dims) != 1 or w is None or len(w.dims) != 2 or bias.dims[0] != w.dims[1] \
                 or add.outputs[0].is_graph_output():
             return None
         adds.append(add)
@@ -72,27 +73,27 @@ class MergeSiblingMatMuls(Rule):
                      named={"activation": node.inputs[0], "siblings": siblings, "adds": adds})
 
     def check(self, m):
-        weights = [weight(n.inputs[1]) for n in m.siblings]
+        weights = [tensor(n.inputs[1]) for n in m.siblings]
         if any(w is None for w in weights):
             return f"{self.what}: a weight is not a constant initializer"
-        if any(w.ndim != 2 for w in weights):
+        if any(len(w.dims) != 2 for w in weights):
             return f"{self.what}: weights are not 2-D"
-        if len({w.shape[0] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
+        if len({w.dims[0] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
             return f"{self.what}: weights differ in K or dtype"
         if any(n.outputs[0].is_graph_output() for n in m.siblings):
             return f"{self.what}: a projection is a graph output"
         return None
 
     def rewrite(self, op, m):
-        first, weights = m.siblings[0], [weight(n.inputs[1]) for n in m.siblings]
-        merged = op.initializer(np.concatenate(weights, axis=1), f"{first.name}.{self.name}.weight")
+        first, weights = m.siblings[0], [tensor(n.inputs[1]) for n in m.siblings]
+        merged = op.initializer(lazy.concatenated(weights), f"{first.name}.{self.name}.weight")
         out = op.MatMul(m.activation, merged)
         out.type = first.outputs[0].type
         if m.adds is not None:
             biases = [weight(add.inputs[1 - add.inputs.index(n.outputs[0])]) for n, add in zip(m.siblings, m.adds)]
             out = op.Add(out, op.initializer(np.concatenate(biases), f"{first.name}.{self.name}.bias"))
             out.type = first.outputs[0].type
-        widths = op.initializer(np.array([w.shape[1] for w in weights], np.int64), f"{first.name}.{self.name}.split")
+        widths = op.initializer(np.array([w.dims[1] for w in weights], np.int64), f"{first.name}.{self.name}.split")
         return op.Split(out, widths, axis=-1, num_outputs=len(m.siblings))
 
 

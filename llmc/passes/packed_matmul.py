@@ -24,8 +24,9 @@ import numpy as np
 from llmc.contract.model_spec import ModelSpec
 from llmc.contract.options import QUANT_BLOCK_SIZES
 from llmc.passes.cpu_kernels import kernel_library_missing
-from llmc.passes.graph import weight
-from llmc.passes.quantize_weights import INT_TYPES
+from llmc.passes import lazy
+from llmc.passes.graph import tensor
+from llmc.passes.quantize_weights import BITS_KEY, INT_TYPES
 from llmc.passes.quantize_weights import SIXTEEN_BIT as STORED_16BIT
 from llmc.passes.rewrite import Rule, RulePass
 from llmc.plugins import cpu
@@ -39,19 +40,30 @@ class PackedMatMul(Rule):
         return op.MatMul(x, w)
 
     def check(self, m):
-        w = weight(m.w)
+        w = tensor(m.w)
         if w is None:
             return "the weight is not a constant initializer"
-        if w.ndim != 2 or w.dtype != np.float32:
-            return f"the weight is {w.ndim}-D {w.dtype}, not 2-D float32"
+        if len(w.dims) != 2 or w.numpy_dtype() != np.float32:
+            return f"the weight is {len(w.dims)}-D {w.numpy_dtype()}, not 2-D float32"
         if m.x.shape is not None and len(m.x.shape) < 2:
             return "the activation is 1-D"
         return None
 
     def rewrite(self, op, m):
-        w = weight(m.w)
-        packed = op.initializer(cpu.pack_weight(w), f"{m.w.name}.packed")
-        return op.PackedMatMul(m.x, packed, domain=cpu.DOMAIN, n=w.shape[1])
+        w = tensor(m.w)
+        k, n = w.dims
+        packed = panels(np.float32, (k, cpu.PANEL), k, n, lambda a, b: cpu.pack_weight(w.columns(a, b)))
+        return op.PackedMatMul(m.x, op.initializer(packed, f"{m.w.name}.packed"), domain=cpu.DOMAIN, n=n)
+
+
+def panels(dtype, panel_shape: tuple[int, ...], k: int, n: int, pack, flat: bool = False) -> lazy.Lazy:
+    """A packed [k, n] weight: ceil(n / PANEL) panels of `panel_shape` (`flat`: one 1-D blob of them),
+    made and written a range of panels at a time, each range the float32 columns of CHUNK_BYTES:
+    `pack(first column, end column)` packs the panels those columns fill."""
+    count = -(-n // cpu.PANEL)
+    shape = (count * int(np.prod(panel_shape)),) if flat else (count, *panel_shape)
+    return lazy.Lazy(dtype, shape, lambda a, b: pack(a * cpu.PANEL, min(b * cpu.PANEL, n)), units=count,
+                     step=lazy.float_step(k * cpu.PANEL))
 
 
 # What an initializer's numpy dtype says about the format of a weight DequantizeLinear or Cast
@@ -70,31 +82,38 @@ class QuantizedPackedMatMul(Rule):
         return op.MatMul(x, op.DequantizeLinear(q, scale, _other_inputs=True, _name="dq"))
 
     def check(self, m):
-        q, scale = weight(m.q), weight(m.scale)
+        q, scale = tensor(m.q), tensor(m.scale)
         zero_point = m.dq.inputs[2] if len(m.dq.inputs) > 2 else None
-        if q is None or scale is None or (zero_point is not None and weight(zero_point) is None):
+        if q is None or scale is None or (zero_point is not None and tensor(zero_point) is None):
             return "the quantized weight, its scales or zero points are not constant initializers"
-        bits = BITS.get(q.dtype)
-        if bits is None or q.ndim != 2:
-            return f"the quantized weight is {q.ndim}-D {q.dtype}, not 2-D int4/uint4/int8/uint8"
+        bits = BITS.get(q.numpy_dtype())
+        if bits is None or len(q.dims) != 2:
+            return f"the quantized weight is {len(q.dims)}-D {q.numpy_dtype()}, not 2-D int4/uint4/int8/uint8"
         block = m.dq.attributes.get_int("block_size", 0)
         if m.dq.attributes.get_int("axis", 1) != 0 or block not in QUANT_BLOCK_SIZES:
             return f"not blocks along K of {'/'.join(map(str, QUANT_BLOCK_SIZES))} (axis 0)"
-        if scale.dtype != np.float32 or scale.shape != (q.shape[0] // block, q.shape[1]):
-            return f"the scales are {scale.dtype} {list(scale.shape)}, not float32 [K / block, N]"
+        if scale.numpy_dtype() != np.float32 or scale.dims != (q.dims[0] // block, q.dims[1]):
+            return f"the scales are {scale.numpy_dtype()} {list(scale.dims)}, not float32 [K / block, N]"
         return None
 
     def rewrite(self, op, m):
-        q, scale = weight(m.q), weight(m.scale)
-        zero_point = weight(m.dq.inputs[2]) if len(m.dq.inputs) > 2 else None
-        bits, block = BITS[q.dtype], m.dq.attributes.get_int("block_size", 0)
-        as_bytes = q.astype(np.uint8 if zero_point is not None else np.int8)
-        zero_point = None if zero_point is None else zero_point.astype(np.uint8)
+        q, scale = tensor(m.q), tensor(m.scale)
+        zero_point = tensor(m.dq.inputs[2]) if len(m.dq.inputs) > 2 else None
+        bits, block = BITS[q.numpy_dtype()], m.dq.attributes.get_int("block_size", 0)
+        integers = np.uint8 if zero_point is not None else np.int8
         if bits == 8:  # int6 comes as int8: stored in the fewest bits that hold it, the same integers
-            bits = quant.narrowest_bits(as_bytes, zero_point)
-        blob = quant.pack_quantized(as_bytes, scale, zero_point, bits, block)
-        packed = op.initializer(blob, f"{m.q.name}.packed")
-        return op.PackedMatMul(m.x, packed, domain=cpu.DOMAIN, n=q.shape[1],
+            hint = m.q.metadata_props.get(BITS_KEY)  # quantize-weights knows; anything else is looked at
+            bits = int(hint) if hint else quant.narrowest_bits(
+                q.numpy().astype(integers), None if zero_point is None else zero_point.numpy().astype(np.uint8))
+        k, n = q.dims
+
+        def pack(a, b):
+            zp = None if zero_point is None else zero_point.columns(a, b).astype(np.uint8)
+            return quant.pack_quantized(q.columns(a, b).astype(integers), scale.columns(a, b), zp, bits, block)
+
+        size = quant.quantized_bytes(k, n, bits, block, zero_point is not None)
+        blob = panels(np.uint8, (size // -(-n // cpu.PANEL),), k, n, pack, flat=True)
+        return op.PackedMatMul(m.x, op.initializer(blob, f"{m.q.name}.packed"), domain=cpu.DOMAIN, n=n,
                                weight_format=quant.WEIGHT_FORMATS[f"int{bits}"], block_size=block,
                                zero_points=int(zero_point is not None))
 
@@ -108,16 +127,18 @@ class SixteenBitPackedMatMul(Rule):
         return op.MatMul(x, op.Cast(w, _name="cast"))
 
     def check(self, m):
-        w = weight(m.w)
-        if w is None or w.ndim != 2 or w.dtype not in SIXTEEN_BIT:
+        w = tensor(m.w)
+        if w is None or len(w.dims) != 2 or w.numpy_dtype() not in SIXTEEN_BIT:
             return "the weight is not a constant 2-D bfloat16/float16 initializer"
         return None
 
     def rewrite(self, op, m):
-        w = weight(m.w)
-        name = SIXTEEN_BIT[w.dtype]
-        packed = op.initializer(quant.pack_16bit(w.astype(np.float32), name), f"{m.w.name}.packed")
-        return op.PackedMatMul(m.x, packed, domain=cpu.DOMAIN, n=w.shape[1], weight_format=quant.WEIGHT_FORMATS[name])
+        w = tensor(m.w)
+        name, (k, n) = SIXTEEN_BIT[w.numpy_dtype()], w.dims
+        packed = panels(np.uint16, (k, cpu.PANEL), k, n,
+                        lambda a, b: quant.pack_16bit(w.columns(a, b).astype(np.float32), name))
+        return op.PackedMatMul(m.x, op.initializer(packed, f"{m.w.name}.packed"), domain=cpu.DOMAIN, n=n,
+                               weight_format=quant.WEIGHT_FORMATS[name])
 
 
 def _gemm_attributes(node) -> dict:

@@ -16,8 +16,6 @@ did per tensor in the graph's metadata (METADATA_KEY) for the manifest and the b
 
 from __future__ import annotations
 
-import json
-
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
@@ -25,12 +23,14 @@ import onnx_ir as ir
 from llmc.contract import graph_io as io
 from llmc.contract.model_spec import ModelSpec
 from llmc.contract.options import QUANT_BITS, BuildOptions
-from llmc.passes.graph import perm, producer, weight
+from llmc.passes import lazy
+from llmc.passes.graph import perm, producer, tensor, weight
 from llmc.passes.manager import PassResult
 from llmc.passes.quantizers import QuantizedWeight, quantize, relative_error
 from llmc.passes.rewrite import Rule, RulePass
 
 METADATA_KEY = "llmc.quantization"
+BITS_KEY = "llmc.bits"  # on a quantized weight's integers: the bits its values use
 SIXTEEN_BIT = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 FLOAT = ir.DataType.FLOAT.value
 # int6 has no ONNX type: int8 holding 6-bit values, which the CPU lowering packs in 6 bits.
@@ -38,15 +38,21 @@ INT_TYPES = {(4, True): ml_dtypes.int4, (4, False): ml_dtypes.uint4, (8, True): 
              (6, True): np.int8, (6, False): np.uint8}
 
 
-def matmul_weight(value: ir.Value | None) -> np.ndarray | None:
-    """A MatMul's constant right operand as [K, N]: an initializer, or a Transpose of one (the LM
-    head of a tied model reads the embedding table transposed)."""
-    if (array := weight(value)) is not None:
-        return array
+def matmul_tensor(value: ir.Value | None) -> lazy.Lazy | None:
+    """A MatMul's constant right operand as a lazy [K, N]: an initializer, or a Transpose of one
+    (the LM head of a tied model reads the embedding table transposed)."""
+    if (found := tensor(value)) is not None:
+        return found
     node = producer(value, "Transpose")
-    if node is None or (array := weight(node.inputs[0])) is None or array.ndim != 2:
+    if node is None or (table := tensor(node.inputs[0])) is None or len(table.dims) != 2:
         return None
-    return array.T if perm(node) in (None, (1, 0)) else None
+    return lazy.transposed(table) if perm(node) in (None, (1, 0)) else None
+
+
+def matmul_weight(value: ir.Value | None) -> np.ndarray | None:
+    """matmul_tensor's values, whole."""
+    found = matmul_tensor(value)
+    return None if found is None else found.numpy()
 
 
 class _Quantizer:
@@ -65,6 +71,60 @@ class _Quantizer:
     def record(self, name: str, role: str, fmt: str, w: np.ndarray, stored: np.ndarray | QuantizedWeight) -> None:
         self.records[name] = {"role": role, "format": fmt, "shape": list(w.shape),
                               "relative_error": relative_error(w, stored)}
+
+    def lazy_record(self, name: str, role: str, fmt: str, shape) -> np.ndarray:
+        """A record whose error is gathered as column ranges are computed: the returned [2, N] array
+        takes each column's squared error and squared norm (a column computed twice counts once)."""
+        sums = np.zeros((2, shape[1]), np.float64)
+        self.records[name] = {"role": role, "format": fmt, "shape": list(shape), "relative_error": sums}
+        return sums
+
+    def lazy_integers(self, w: lazy.Lazy, fmt: str, name: str, role: str) -> list[lazy.Lazy]:
+        """[q, scale(, zero_point)] of `w` [K, N], each computed column range by column range from one
+        quantization of that range (Memo), when first read."""
+        sums = self.lazy_record(name, role, fmt, w.dims)
+        kind = INT_TYPES[(QUANT_BITS[fmt], self.options.quant_symmetric)]
+
+        def quantized(a: int, b: int) -> QuantizedWeight:
+            # The columns as they come (a checkpoint's rows transposed: the tiles copy them over).
+            q = self.integers(w.columns(a, b), fmt, None)
+            sums[:, a:b] = q.errors
+            return q
+
+        memo = lazy.Memo(quantized)
+        k, n = w.dims
+        block, step = self.options.quant_block_size, lazy.float_step(k)  # all parts slice alike: one memo
+        parts = [lazy.Lazy(kind, (k, n), lambda a, b: memo(a, b).q.astype(kind), axis=1, step=step, name=f"{name}.q"),
+                 lazy.Lazy(np.float32, (k // block, n), lambda a, b: memo(a, b).scale, axis=1, step=step,
+                           name=f"{name}.scale")]
+        if not self.options.quant_symmetric:
+            parts.append(lazy.Lazy(kind, (k // block, n), lambda a, b: memo(a, b).zero_point.astype(kind), axis=1,
+                                   step=step, name=f"{name}.zero_point"))
+        return parts
+
+    def sixteen_bit(self, w: lazy.Lazy, fmt: str, name: str, role: str) -> lazy.Lazy:
+        sums = self.lazy_record(name, role, fmt, w.dims)
+        kind = SIXTEEN_BIT[fmt]
+
+        def stored(a: int, b: int) -> np.ndarray:
+            columns = w.columns(a, b)
+            half = columns.astype(kind)
+            sums[:, a:b] = np.square(columns - half.astype(np.float32)).sum(axis=0), np.square(columns).sum(axis=0)
+            return half
+
+        return lazy.Lazy(kind, w.dims, stored, axis=1, step=lazy.float_step(w.dims[0]), name=name)
+
+
+def finished_records(records: dict[str, dict]) -> dict[str, dict]:
+    """The records with each lazily summed error made the relative error ||w - stored|| / ||w||."""
+    out = {}
+    for name, record in records.items():
+        error = record["relative_error"]
+        if isinstance(error, np.ndarray):
+            err, norm = error.sum(axis=1)
+            error = float(np.sqrt(err / norm)) if norm else 0.0
+        out[name] = {**record, "relative_error": error}
+    return out
 
 
 def _int_initializer(op, q: QuantizedWeight, name: str):
@@ -96,26 +156,26 @@ class QuantizeMatMul(Rule):
         return self.quantizer.options.format_of(self._role(m))
 
     def check(self, m):
-        w = matmul_weight(m.w)
+        w = matmul_tensor(m.w)
         if w is None:
             return "the weight is not a constant initializer"
-        if w.ndim != 2 or w.dtype != np.float32:
-            return f"the weight is {w.ndim}-D {w.dtype}, not 2-D float32"
+        if len(w.dims) != 2 or w.numpy_dtype() != np.float32:
+            return f"the weight is {len(w.dims)}-D {w.numpy_dtype()}, not 2-D float32"
         block = self.quantizer.options.quant_block_size
-        if self._format(m) in QUANT_BITS and w.shape[0] % block:
-            return f"K = {w.shape[0]} is not a multiple of the block size {block}"
+        if self._format(m) in QUANT_BITS and w.dims[0] % block:
+            return f"K = {w.dims[0]} is not a multiple of the block size {block}"
         return None
 
     def rewrite(self, op, m):
-        w, fmt, role = matmul_weight(m.w), self._format(m), self._role(m)
+        w, fmt, role = matmul_tensor(m.w), self._format(m), self._role(m)
         name = f"{m.root.name}.weight"
         if fmt in SIXTEEN_BIT:
-            stored = w.astype(SIXTEEN_BIT[fmt])
-            self.quantizer.record(name, role, fmt, w, stored)
+            stored = self.quantizer.sixteen_bit(w, fmt, name, role)
             return op.MatMul(m.x, op.Cast(op.initializer(stored, name), to=FLOAT))
-        q = self.quantizer.integers(w, fmt, self.quantizer.importance.get(m.root.name))
-        self.quantizer.record(name, role, fmt, w, q)
-        dq = op.DequantizeLinear(*_int_initializer(op, q, name), axis=0, block_size=q.block_size)
+        parts = self.quantizer.lazy_integers(w, fmt, name, role)
+        values = [op.initializer(part, part.name) for part in parts]
+        values[0].metadata_props[BITS_KEY] = str(QUANT_BITS[fmt])  # int6 lives in int8: packed-matmul's hint
+        dq = op.DequantizeLinear(*values, axis=0, block_size=self.quantizer.options.quant_block_size)
         return op.MatMul(m.x, dq)
 
 
@@ -182,31 +242,28 @@ class QuantizeEmbedding(Rule):
         return m if io.INPUT_IDS in _sources(m.ids) else None
 
     def check(self, m):
-        table = weight(m.table)
-        if table is None or table.ndim != 2 or table.dtype != np.float32:
+        table = tensor(m.table)
+        if table is None or len(table.dims) != 2 or table.numpy_dtype() != np.float32:
             return "the embedding table is not a constant 2-D float32 initializer"
         if m.root.attributes.get_int("axis", 0) != 0:
             return "the Gather does not pick rows"
         block = self.quantizer.options.quant_block_size
-        if self.quantizer.options.format_of("embedding") in QUANT_BITS and table.shape[1] % block:
-            return f"the hidden size {table.shape[1]} is not a multiple of the block size {block}"
+        if self.quantizer.options.format_of("embedding") in QUANT_BITS and table.dims[1] % block:
+            return f"the hidden size {table.dims[1]} is not a multiple of the block size {block}"
         return None
 
     def rewrite(self, op, m):
-        table, fmt = weight(m.table), self.quantizer.options.format_of("embedding")
+        # The table [V, H] is read as its transpose [H, V]: blocks along the hidden axis, a token's
+        # row one column, quantized (and stored back as rows) a range of tokens at a time.
+        table, fmt = lazy.transposed(tensor(m.table)), self.quantizer.options.format_of("embedding")
         name = f"{m.table.name}.embedding"
         if fmt in SIXTEEN_BIT:
-            stored = table.astype(SIXTEEN_BIT[fmt])
-            self.quantizer.record(name, "embedding", fmt, table, stored)
+            stored = lazy.transposed(self.quantizer.sixteen_bit(table, fmt, name, "embedding"))
             return op.Cast(op.Gather(op.initializer(stored, name), m.ids, axis=0), to=FLOAT)
-        # Blocks along the hidden axis: the table's rows are what a token reads.
-        q = self.quantizer.integers(np.ascontiguousarray(table.T), fmt, None)
-        self.quantizer.record(name, "embedding", fmt, table.T, q)
-        rows = QuantizedWeight(np.ascontiguousarray(q.q.T), np.ascontiguousarray(q.scale.T),
-                               None if q.zero_point is None else np.ascontiguousarray(q.zero_point.T),
-                               q.bits, q.block_size)
-        gathered = [op.Gather(v, m.ids, axis=0) for v in _int_initializer(op, rows, name)]
-        return op.DequantizeLinear(*gathered, axis=-1, block_size=q.block_size)
+        parts = [lazy.transposed(p) for p in self.quantizer.lazy_integers(table, fmt, name, "embedding")]
+        gathered = [op.Gather(op.initializer(v, v_name), m.ids, axis=0)
+                    for v, v_name in zip(parts, (f"{name}.q", f"{name}.scale", f"{name}.zero_point"))]
+        return op.DequantizeLinear(*gathered, axis=-1, block_size=self.quantizer.options.quant_block_size)
 
 
 def _sources(value: ir.Value, depth: int = 4) -> set[str]:
@@ -239,11 +296,11 @@ class QuantizeWeights(RulePass):
 
             self.quantizer.importance = mean_square_inputs(model, self.calibration)
         result = super().apply(model, spec)
-        if self.quantizer.records:
-            model.metadata_props[METADATA_KEY] = json.dumps(self.quantizer.records)
+        model.meta.setdefault(METADATA_KEY, {}).update(self.quantizer.records)
         return result
 
 
 def records_of(model: ir.Model) -> dict[str, dict]:
-    """What quantize-weights did per tensor (name -> role, format, shape, relative_error), taken off the graph."""
-    return json.loads(model.metadata_props.pop(METADATA_KEY, "{}"))
+    """What quantize-weights did per tensor (name -> role, format, shape, relative_error). A lazily
+    quantized tensor's error is known once its values were computed: ask after the engine is written."""
+    return finished_records(model.meta.get(METADATA_KEY, {}))

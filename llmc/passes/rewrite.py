@@ -46,8 +46,11 @@ class Replacement(OpBuilder):
         self.graph_outputs: list[ir.Value] = []
         self.counts: Counter = Counter()
 
-    def initializer(self, array: np.ndarray, name: str) -> ir.Value:
-        value = ir.Value(name=name, const_value=ir.tensor(array))
+    def initializer(self, array: np.ndarray | ir.TensorProtocol, name: str) -> ir.Value:
+        """A new initializer: an array, or a tensor computed when read (llmc.passes.lazy)."""
+        value = ir.Value(name=name, const_value=array if isinstance(array, ir.TensorProtocol) else ir.tensor(array))
+        if isinstance(array, ir.TensorProtocol):
+            value.type, value.shape = ir.TensorType(array.dtype), ir.Shape(array.shape)
         self.initializers.append(value)
         return value
 

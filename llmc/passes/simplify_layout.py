@@ -20,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from llmc.contract.model_spec import ModelSpec
-from llmc.passes.graph import const_ints, perm, weight
+from llmc.passes import lazy
+from llmc.passes.graph import const_ints, perm, tensor
 from llmc.passes.rewrite import Rule, RulePass
 
 SWAP_HEADS_AND_SEQ = (0, 2, 1, 3)
@@ -38,9 +39,11 @@ class WeightLayout(Rule):
         return None
 
     def rewrite(self, op, m):
-        data = weight(m.data)
-        order = perm(m.transpose) or tuple(reversed(range(data.ndim)))
-        return op.initializer(np.ascontiguousarray(data.transpose(order)), f"{m.data.name}.transposed")
+        data = tensor(m.data)
+        order = perm(m.transpose) or tuple(reversed(range(len(data.dims))))
+        if order == (1, 0):  # a tied LM head: the embedding table read by columns, never whole
+            return op.initializer(lazy.transposed(data), f"{m.data.name}.transposed")
+        return op.initializer(np.ascontiguousarray(data.numpy().transpose(order)), f"{m.data.name}.transposed")
 
 
 class Rope3D(Rule):

@@ -1,0 +1,193 @@
+"""A checkpoint's weights, read a tensor (or a range of its rows) at a time.
+
+A model folder's `model.safetensors`, or the shards `model.safetensors.index.json` names, is opened
+by reading each shard's header: names, dtypes, shapes and byte ranges. Nothing else is read until a
+pass asks for a tensor, and then with `pread` into a fresh array: the page cache holds the file,
+not this process, so a build's resident memory is what its passes hold, not the checkpoint's size.
+A shard shorter than its header says (a truncated download) is refused when it is opened.
+
+A folder with PyTorch `.bin` weights only is read whole by transformers (`StateDictWeights`): those
+files are pickles that cannot be read a tensor at a time without loading them.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from llmc.errors import ModelError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
+_MAX_HEADER = 100 << 20  # safetensors' own limit on a header's size
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    path: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+    nbytes: int
+
+
+class Weights:
+    """name -> float32 arrays, as the checkpoint stores them (transformers' parameter names)."""
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def has(self, name: str) -> bool:
+        return name in self.names()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) of tensor `name` (its first axis) as float32."""
+        raise NotImplementedError
+
+
+class SafetensorsWeights(Weights):
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.tensors: dict[str, StoredTensor] = {}
+        for shard in _shards(folder):
+            self.tensors.update(_read_header(shard))
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def parameter_count(self) -> int:
+        return sum(int(np.prod(t.shape, dtype=np.int64)) for t in self.tensors.values())
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        t = self.tensors[name]
+        rows = t.shape[0] if t.shape else 1
+        stop = rows if stop is None else stop
+        row_bytes = t.nbytes // max(rows, 1)
+        out = np.empty((stop - start, *t.shape[1:]) if t.shape else (), t.dtype)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        with open(t.path, "rb", buffering=0) as f:
+            done, at = 0, t.offset + start * row_bytes
+            while done < len(view):
+                got = f.readinto(view[done:]) if f.seek(at + done) >= 0 else 0
+                if not got:
+                    raise ModelError(f"{t.path.name} ends inside tensor {name}; the file is truncated: "
+                                     "download the checkpoint again")
+                done += got
+        if t.dtype == DTYPES["BF16"]:  # a bfloat16 is a float32's high half: widened by a shift
+            values = np.left_shift(out.view(np.uint16).astype(np.uint32), 16).view(np.float32)
+        else:
+            values = out.astype(np.float32, copy=False)
+        if not np.isfinite(values).all():
+            raise ModelError(f"tensor {name}{layer_of(name)} holds NaN or Inf values; the checkpoint is damaged: "
+                             "download it again or fix the weights")
+        return values
+
+
+class StateDictWeights(Weights):
+    """Weights already in memory (a loaded transformers model's state dict)."""
+
+    def __init__(self, state_dict):
+        self.arrays = {name: t.detach().float().numpy() for name, t in state_dict.items()}
+
+    def names(self) -> list[str]:
+        return list(self.arrays)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.arrays[name].shape)
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        array = self.arrays[name]
+        return array if array.ndim == 0 else array[start:stop]
+
+
+def has_safetensors(folder: Path) -> bool:
+    return (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()
+
+
+def layer_of(name: str) -> str:
+    """' (layer N)' for a tensor of a decoder layer."""
+    parts = name.split(".")
+    if "layers" in parts and parts.index("layers") + 1 < len(parts):
+        return f" (layer {parts[parts.index('layers') + 1]})"
+    return ""
+
+
+def _shards(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if not index.is_file():
+        return [folder / SINGLE_FILE]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelError(f"cannot read {index}: {type(exc).__name__}: {exc}; the checkpoint's index is damaged: "
+                         "download it again") from None
+    missing = [f for f in files if not (folder / f).is_file()]
+    if missing:
+        raise ModelError(f"{INDEX_FILE} names {missing[0]}, which is not in {folder}"
+                         f"{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''}; the download is incomplete")
+    return [folder / f for f in files]
+
+
+def _read_header(path: Path) -> dict[str, StoredTensor]:
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if not 0 < length <= min(_MAX_HEADER, size - 8):
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error) as exc:
+        raise ModelError(f"{path.name} is not a readable safetensors file ({exc}); download it again") from None
+    tensors, data_start = {}, 8 + length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelError(f"{path.name}: the header entry of {name} is malformed ({exc}); download it again") from None
+        if dtype_name not in DTYPES:
+            raise ModelError(f"{path.name}: tensor {name} is {dtype_name}; llmc reads float32, float16 and bfloat16 "
+                             "checkpoints (a pre-quantized checkpoint is not supported: use the original weights)")
+        dtype = DTYPES[dtype_name]
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise ModelError(f"{path.name}: tensor {name}'s byte range does not match its shape {list(shape)}; "
+                             "the file is damaged: download it again")
+        if data_start + end > size:
+            raise ModelError(f"{path.name} is {size:,} bytes but its header needs {data_start + end:,}: the file is "
+                             "truncated (an interrupted download?); download it again")
+        tensors[name] = StoredTensor(path, dtype, shape, data_start + begin, end - begin)
+    return tensors
+
+
+def open_weights(folder: Path) -> Weights:
+    """The folder's safetensors weights, opened a header at a time."""
+    if not has_safetensors(folder):
+        raise ModelError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder}")
+    return SafetensorsWeights(folder)
+
+
+def file_identity(folder: Path) -> str:
+    """Names, sizes and modification times of the weight files: what a cache of a folder's export keys on."""
+    parts = []
+    for f in sorted(folder.iterdir()):
+        if f.suffix in (".safetensors", ".bin", ".json"):
+            st = f.stat()
+            parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    return ";".join(parts)
