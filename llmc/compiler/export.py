@@ -36,9 +36,9 @@ def export_onnx(hf_model, spec: ModelSpec, weights=None):
     parameters read from `weights` (llmc.compiler.weights; default: the module's own state dict)."""
     import torch
 
-    from llmc.compiler.weights import StateDictWeights
-
+    from llmc.compiler.frontend import parameter_names
     from llmc.compiler.rope import make_rope_per_row
+    from llmc.compiler.weights import StateDictWeights
 
     make_rope_per_row(hf_model)
 
@@ -77,11 +77,8 @@ def export_onnx(hf_model, spec: ModelSpec, weights=None):
                          "this model's code is not exportable: report it with the model's config.json") from None
     model = program.model
     model.ir_version = IR_VERSION
-    # The names each parameter goes by (a tied LM head is the embedding): the exporter may use any.
-    names: dict[int, list[str]] = {}
-    for name, param in hf_model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    params = {f"model.{name}": group for group in names.values() for name in group}
+    # The exporter names an initializer after any one of its parameter's names.
+    params = {f"model.{name}": group for group in parameter_names(hf_model).values() for name in group}
     if weights is None:
         weights = StateDictWeights(hf_model.state_dict())
     _optimize(model, params, weights)

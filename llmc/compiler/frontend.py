@@ -189,12 +189,9 @@ def _check_tensors(model, stored, folder: Path) -> None:
 
     from llmc.compiler.weights import layer_of
 
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
     shapes = {id(p): tuple(p.shape) for p in model.parameters()}
     expected = set()
-    for key, group in names.items():
+    for key, group in parameter_names(model).items():
         found = next((n for n in group if stored.has(n)), None)
         if found is None:
             raise ModelError(f"the checkpoint in {folder} has no tensor {group[0]}{layer_of(group[0])}, which "
@@ -211,6 +208,14 @@ def _check_tensors(model, stored, folder: Path) -> None:
         raise ModelError(f"the checkpoint in {folder} holds {extra[0]}{layer_of(extra[0])}"
                          f"{f' (and {len(extra) - 1} more tensors)' if len(extra) > 1 else ''}, which the model "
                          "config.json describes has no place for; config.json is not this checkpoint's: fix it")
+
+
+def parameter_names(model) -> dict[int, list[str]]:
+    """Each parameter's names (a tied LM head is also the embedding), by the parameter's id."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return names
 
 
 def skeleton_model(folder: Path):
