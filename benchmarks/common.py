@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import resource
 import subprocess
 import sys
@@ -41,3 +43,32 @@ def decode_steps(llm, prompts, steps: int = 48, after_step=None) -> list[float]:
     for i in ids:
         llm.abort(i)
     return times
+
+
+# ISA extensions that decide which kernels llmc and its peers run, as /proc/cpuinfo spells them.
+_ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16", "asimd", "asimddp", "sve", "sve2", "i8mm", "bf16")
+
+
+def host() -> dict:
+    """The machine a result came from: CPU model, logical CPUs, memory and the ISA flags above."""
+    cpu, flags = None, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and cpu is None:
+                cpu = value.strip()
+            elif key in ("flags", "Features"):  # x86, arm64
+                flags |= set(value.split())
+    except OSError:
+        pass
+    return {"cpu": cpu or platform.processor() or platform.machine(), "machine": platform.machine(),
+            "logical_cpus": os.cpu_count(), "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "isa": [f for f in _ISA_FLAGS if f in flags]}
+
+
+def host_line(h: dict | None = None) -> str:
+    h = h or host()
+    return (f"{h['cpu']} ({h['machine']}), {h['logical_cpus']} logical CPUs, {h['memory_bytes'] / 2**30:.1f} GiB; "
+            f"ISA: {' '.join(h['isa']) or 'none of ' + ', '.join(_ISA_FLAGS[:3])}")

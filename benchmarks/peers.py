@@ -227,8 +227,23 @@ def _source_key(folder: Path) -> dict:
     return {"folder": str(folder), "weights": st}
 
 
+def llama_cpp_source(root: Path) -> Path:
+    """llama.cpp's tree inside the unpacked sdist: its convert_hf_to_gguf.py and gguf-py."""
+    return root / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+
+
+def gguf_convert_cmd(python: Path, root: Path, folder: Path, out: Path, outtype: str = "f32") -> list:
+    """llama.cpp's converter on `folder`, through the worker's tokenizer workaround, with GGUF_FLAGS."""
+    return [python, WORKER, "convert-gguf", "--src", folder, "--out", out, "--llama-cpp", llama_cpp_source(root),
+            "--outtype", outtype, "--", *GGUF_FLAGS]
+
+
+def gguf_quantize_cmd(python: Path, src: Path, out: Path, ftype: str) -> list:
+    """llama.cpp's quantizer (llama_model_quantize, default params) from the GGUF `src` to `ftype`."""
+    return [python, WORKER, "quantize-gguf", "--src", src, "--out", out, "--ftype", ftype]
+
+
 def _gguf_f32(python: Path, root: Path, folder: Path, log: Path) -> tuple[Path, dict]:
-    src = root / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
     out = root / "models" / folder.name
     out.mkdir(parents=True, exist_ok=True)
     gguf = out / "model-f32.gguf"
@@ -236,8 +251,8 @@ def _gguf_f32(python: Path, root: Path, folder: Path, log: Path) -> tuple[Path, 
     if _stamp(out / "gguf.json") != key or not gguf.is_file():
         print(f"setup: converting {folder} to GGUF f32 with llama.cpp's convert_hf_to_gguf.py", flush=True)
         tmp = out / "model-f32.gguf.tmp"
-        _run("convert to GGUF", [python, WORKER, "convert-gguf", "--src", folder, "--out", tmp, "--llama-cpp", src,
-             "--", *GGUF_FLAGS], log, "see the converter's message at the end of the log", env=_peer_env())
+        _run("convert to GGUF", gguf_convert_cmd(python, root, folder, tmp), log,
+             "see the converter's message at the end of the log", env=_peer_env())
         os.replace(tmp, gguf)
         (out / "gguf.json").write_text(json.dumps(key, indent=1) + "\n")
     return gguf, key
@@ -254,8 +269,8 @@ def convert_gguf(python: Path, root: Path, folder: Path, log: Path, variant: str
     if _stamp(out / f"gguf-{variant}.json") != key or not gguf.is_file():
         print(f"setup: quantizing the f32 GGUF to {variant} with llama.cpp's llama_model_quantize", flush=True)
         tmp = out / f"model-{variant}.gguf.tmp"
-        _run(f"quantize GGUF to {variant}", [python, WORKER, "quantize-gguf", "--src", f32, "--out", tmp,
-             "--ftype", variant], log, "see llama.cpp's message at the end of the log", env=_peer_env())
+        _run(f"quantize GGUF to {variant}", gguf_quantize_cmd(python, f32, tmp, variant), log,
+             "see llama.cpp's message at the end of the log", env=_peer_env())
         os.replace(tmp, gguf)
         (out / f"gguf-{variant}.json").write_text(json.dumps(key, indent=1) + "\n")
     return gguf
