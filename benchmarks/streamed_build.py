@@ -657,10 +657,12 @@ def _pairs(specs: list[str], flag: str) -> list[tuple[str, Path]]:
 
 
 def _resident(rows) -> int:
-    """What the rows' workers will hold: the engine's files, and twice a GGUF's, since llama.cpp
-    repacks weights for its CPU kernels into memory beside the mapped file (an 8b Q4_0 worker
-    held 8.5 GB for a 4.66 GB file); plus the bandwidth worker's buffer and some slack."""
-    return sum(_size(p) * (2 if kind == "llama.cpp" else 1) for _, kind, p in rows) + 2 * 2**30
+    """What the rows' workers will hold: the engine's files, and twice a Q4_0 GGUF's, since
+    llama.cpp repacks those weights for its CPU kernels into memory beside the mapped file (an 8b
+    Q4_0 worker held 8.5 GB for a 4.66 GB file; a Q8_0 one 8.5 GB for its 8.54 GB); plus the
+    bandwidth worker's buffer and some slack."""
+    return sum(_size(p) * (2 if kind == "llama.cpp" and "q4_0" in p.name.lower() else 1) for _, kind, p in rows) \
+        + 2 * 2**30
 
 
 def _available_memory() -> int:
