@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from types import TracebackType
@@ -165,6 +165,9 @@ class EngineFiles:
     chat_template: Path | None
     generation_config: Path
     tuning: Path | None  # tuning.json when the engine has one (not listed: re-tuning keeps checksums)
+    # role -> sha256 of the files open_engine left for their reader to hash as it reads them
+    # (`hash_later`): the weights, which the runtime reads whole anyway.
+    unverified: dict[str, str] = field(default_factory=dict)
 
 
 def read_json_object(path: Path, corrupt: Callable[[str], Exception],
@@ -211,8 +214,11 @@ def _inside(root: Path, rel: str) -> Path:
     return path
 
 
-def open_engine(engine_dir: str | Path, *, verify_checksums: bool = True) -> EngineFiles:
-    """Validate an engine and resolve its files; raise EngineError naming the first problem."""
+def open_engine(engine_dir: str | Path, *, verify_checksums: bool = True,
+                hash_later: tuple[str, ...] = ()) -> EngineFiles:
+    """Validate an engine and resolve its files; raise EngineError naming the first problem. The
+    files of the roles in `hash_later` are not hashed here: `unverified` gives their checksums to
+    the reader that hashes them as it reads them (one pass over a multi-GB file, not two)."""
     root = Path(engine_dir).absolute()
     rebuild = "rebuild it with `llmc build`"
     if not root.exists():
@@ -236,6 +242,7 @@ def open_engine(engine_dir: str | Path, *, verify_checksums: bool = True) -> Eng
     except ContractError as exc:
         raise EngineError(f"engine {root}: corrupt manifest ({exc}); {rebuild}") from None
 
+    later = {rel: role for role, rel in manifest.role_files().items() if role in hash_later and rel is not None}
     for rel, entry in manifest.files.items():
         path = _inside(root, rel)
         if not path.is_file():
@@ -244,7 +251,7 @@ def open_engine(engine_dir: str | Path, *, verify_checksums: bool = True) -> Eng
         if size != entry.bytes:
             raise EngineError(f"engine {root}: size mismatch for {rel} (expected {entry.bytes} bytes, found {size}; "
                               f"file truncated or changed); {rebuild}")
-        if verify_checksums and _sha256(path) != entry.sha256:
+        if verify_checksums and rel not in later and _sha256(path) != entry.sha256:
             raise EngineError(f"engine {root}: checksum mismatch for {rel} (file changed or corrupt); {rebuild}")
     paths: dict[str, Path | None] = {}
     for role, rel in manifest.role_files().items():
@@ -252,4 +259,6 @@ def open_engine(engine_dir: str | Path, *, verify_checksums: bool = True) -> Eng
         if rel is not None and rel not in manifest.files:
             raise EngineError(f"engine {root}: its {role} file {rel!r} is not listed in {MANIFEST}; {rebuild}")
     tuning = _inside(root, TUNING_FILE)
-    return EngineFiles(root=root, manifest=manifest, tuning=tuning if tuning.is_file() else None, **paths)
+    unverified = {role: manifest.files[rel].sha256 for rel, role in later.items()} if verify_checksums else {}
+    return EngineFiles(root=root, manifest=manifest, tuning=tuning if tuning.is_file() else None,
+                       unverified=unverified, **paths)

@@ -38,7 +38,7 @@ def load_engine(engine: str | Path | EngineFiles, options: RuntimeOptions | None
     """The engine's backend, loaded: ONNX Runtime's `Engine`, or `TrtEngine` for a TensorRT plan
     (imported only then: the CPU install never loads TensorRT or CUDA)."""
     files = engine if isinstance(engine, EngineFiles) else open_engine(
-        engine, verify_checksums=(options or RuntimeOptions()).verify_checksums)
+        engine, verify_checksums=(options or RuntimeOptions()).verify_checksums, hash_later=("weights",))
     if files.manifest.backend.name == "tensorrt":
         from llmc.trt.engine import TrtEngine
 
@@ -52,8 +52,8 @@ TABLE_STEP = 16  # forward_rows pads block tables to a multiple of this many blo
 class Engine:
     def __init__(self, engine: str | Path | EngineFiles, options: RuntimeOptions | None = None):
         options = options or RuntimeOptions()
-        files = engine if isinstance(engine, EngineFiles) else open_engine(engine,
-                                                                           verify_checksums=options.verify_checksums)
+        files = engine if isinstance(engine, EngineFiles) else open_engine(
+            engine, verify_checksums=options.verify_checksums, hash_later=("weights",))
         self.files, self.dir, self.manifest = files, files.root, files.manifest
         manifest = files.manifest
         if manifest.backend.name != "onnxruntime":
@@ -87,7 +87,8 @@ class Engine:
                 raise EngineError(f"engine {self.dir}: ONNX Runtime cannot load llmc's CPU kernels "
                                   f"({first_line(exc)}); reinstall llmc (pip install -e .)") from None
         if files.weights is not None:
-            self._weights = _read_weights(opts, files.weights, manifest.payload.weights)
+            self._weights = _read_weights(opts, files.weights, manifest.payload.weights,
+                                          files.unverified.get("weights"))
         try:
             self.session = ort.InferenceSession(str(files.model), opts, providers=["CPUExecutionProvider"])
         except Exception as exc:
@@ -308,22 +309,39 @@ def _grid(batch: int, seq: int) -> str:
     return f"the step's {batch}x{seq} token grid (row b, token j is b*{seq} + j)"
 
 
-def _read_weights(opts, path: Path, name: str):
+def _read_weights(opts, path: Path, name: str, sha256: str | None = None):
     """Hand ORT the weights file read into anonymous memory advised to use huge pages, for it to
     use in place. ORT would otherwise map the file with 4 KB pages, and every decode step streams
     all the weights: a TLB walk per 4 KB, which costs a cold prefill on llmc's packed GEMM
     (docs/attention_cpu.md). Resident memory is the same either way: the mapped file's pages end
-    up resident too."""
+    up resident too. With `sha256` (the manifest's, left by open_engine) the file is hashed as it
+    is read, a chunk behind, on a second thread: one pass over it, not two."""
+    import hashlib
     import mmap
+    from concurrent.futures import ThreadPoolExecutor
 
     size = path.stat().st_size
     if size == 0:
         return None
-    buffer = mmap.mmap(-1, size)
+    # Private: a shared anonymous map is shmem, which got no huge pages here (docs/streamed_build.md).
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buffer.madvise(mmap.MADV_HUGEPAGE)
-    with open(path, "rb") as f:
-        f.readinto(buffer)
+    view, digest, step = memoryview(buffer), hashlib.sha256(), 64 << 20
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:
+        pending = None
+        for start in range(0, size, step):
+            chunk = view[start:start + step]
+            f.readinto(chunk)
+            if sha256 is not None:
+                if pending is not None:
+                    pending.result()
+                pending = hasher.submit(digest.update, chunk)  # hashlib lets go of the GIL
+        if pending is not None:
+            pending.result()
+    if sha256 is not None and digest.hexdigest() != sha256:
+        raise EngineError(f"engine {path.parent}: checksum mismatch for {path.name} (file changed or corrupt); "
+                          "rebuild it with `llmc build`")
     opts.add_external_initializers_from_files_in_memory([name], [np.frombuffer(buffer, np.uint8)], [size])
     opts.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
     return buffer  # the session reads it in place: it lives as long as the engine

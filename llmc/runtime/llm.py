@@ -61,7 +61,8 @@ class LLM:
         from tokenizers import Tokenizer
 
         given = RuntimeOptions.given(options)
-        files = open_engine(engine_dir, verify_checksums=given.get("verify_checksums", True))
+        # The weights are hashed as the engine reads them in (load_engine): one pass, not two.
+        files = open_engine(engine_dir, verify_checksums=given.get("verify_checksums", True), hash_later=("weights",))
         if (kept := files.manifest.lm_head_tokens) is not None:
             raise EngineError(f"engine {files.root} is a speculative draft: its LM head scores {len(kept)} of the "
                               f"{files.manifest.model_spec.vocab_size} tokens (--draft-vocab), so it cannot decode "
