@@ -170,7 +170,7 @@ def load_checkpoint(folder: Path, spec: ModelSpec):
     from llmc.compiler import weights
 
     if weights.has_safetensors(folder):
-        stored = weights.open_weights(folder)
+        stored = weights.SafetensorsWeights(folder)
         implied, held = spec.parameter_count(), stored.parameter_count()
         if implied > 1.25 * held:  # before building a module of that size
             raise ModelError(f"config.json describes a model of {implied:,} parameters but the checkpoint in {folder} "

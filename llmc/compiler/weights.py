@@ -81,9 +81,10 @@ class SafetensorsWeights(Weights):
         out = np.empty((stop - start, *t.shape[1:]) if t.shape else (), t.dtype)
         view = memoryview(out.reshape(-1).view(np.uint8))
         with open(t.path, "rb", buffering=0) as f:
-            done, at = 0, t.offset + start * row_bytes
+            f.seek(t.offset + start * row_bytes)
+            done = 0
             while done < len(view):
-                got = f.readinto(view[done:]) if f.seek(at + done) >= 0 else 0
+                got = f.readinto(view[done:])
                 if not got:
                     raise ModelError(f"{t.path.name} ends inside tensor {name}; the file is truncated: "
                                      "download the checkpoint again")
@@ -116,6 +117,7 @@ class StateDictWeights(Weights):
 
 
 def has_safetensors(folder: Path) -> bool:
+    """Whether the folder's weights are safetensors (else SafetensorsWeights has nothing to open)."""
     return (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()
 
 
@@ -174,20 +176,3 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
                              "truncated (an interrupted download?); download it again")
         tensors[name] = StoredTensor(path, dtype, shape, data_start + begin, end - begin)
     return tensors
-
-
-def open_weights(folder: Path) -> Weights:
-    """The folder's safetensors weights, opened a header at a time."""
-    if not has_safetensors(folder):
-        raise ModelError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder}")
-    return SafetensorsWeights(folder)
-
-
-def file_identity(folder: Path) -> str:
-    """Names, sizes and modification times of the weight files: what a cache of a folder's export keys on."""
-    parts = []
-    for f in sorted(folder.iterdir()):
-        if f.suffix in (".safetensors", ".bin", ".json"):
-            st = f.stat()
-            parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
-    return ";".join(parts)

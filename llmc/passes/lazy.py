@@ -46,9 +46,6 @@ class Lazy(ir.LazyTensor):
         array = np.asarray(self.part(0, self.units))
         return array.reshape(self.shape.numpy()) if self.units != self.shape[self.axis] else array
 
-    def numpy(self) -> np.ndarray:
-        return self._evaluate().numpy()
-
     def numpy_dtype(self) -> np.dtype:
         return self.dtype.numpy()
 
@@ -83,9 +80,6 @@ class Lazy(ir.LazyTensor):
         for start in range(0, self.units, step):
             # ir.tensor's bytes are ONNX's: 4-bit values two to a byte (the slices hold whole rows).
             file.write(ir.tensor(np.ascontiguousarray(self.part(start, min(start + step, self.units)))).tobytes())
-
-    def tobytes(self) -> bytes:
-        return self._evaluate().tobytes()
 
 
 def of(tensor: ir.TensorProtocol) -> Lazy:
