@@ -73,14 +73,52 @@ def test_tiles_change_no_result(monkeypatch, block, symmetric, aware):
     w[:block, 5] = 0  # an all-zero block
     importance = rng.random(256).astype(np.float32) * 10 if aware else None
     assert len(quantizers.column_chunks(261, block)) == 7
-    whole = quantize(w, 4, block, symmetric, "search", importance)
+    whole = quantizers.quantize_numpy(w, 4, block, symmetric, "search", importance)
     cuts = [0, 2, 41, 100, 187, 189, 261]
-    parts = [quantize(np.ascontiguousarray(w[:, a:b]), 4, block, symmetric, "search", importance)
+    parts = [quantizers.quantize_numpy(np.ascontiguousarray(w[:, a:b]), 4, block, symmetric, "search", importance)
              for a, b in zip(cuts, cuts[1:])]
     for field in ("q", "scale") + (() if symmetric else ("zero_point",)):
         together = np.concatenate([getattr(p, field) for p in parts], axis=1)
         assert together.dtype == getattr(whole, field).dtype
         assert np.array_equal(together, getattr(whole, field)), field
+
+
+def _hard_weight(rng, k, n):
+    """Trained-like columns next to every edge the scale search has: an all-zero block, a tie of
+    signs, values below float16's normals, ones whose scale overflows float16, and a column slice's
+    row stride."""
+    w = _weight(rng, k, n + 7)[:, 3:n + 3]
+    w[:32, 0] = 0
+    w[32:64, 1] = np.where(np.arange(32) % 3, 0.25, -0.25)
+    w[:32, 2] = rng.standard_normal(32) * 1e-7
+    w[32:64, 3] = rng.standard_normal(32) * 1e-4
+    w[64:96, 4] = rng.standard_normal(32).astype(np.float32) * 6e5
+    w[:, 5] = rng.standard_normal(k).astype(np.float32) * 50
+    return w
+
+
+@needs_kernels
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the overflowing column: an infinite scale, a NaN error
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("block", [32, 64, 128])
+@pytest.mark.parametrize("method, aware", [("search", False), ("search", True), ("rtn", False)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_c_quantizer_is_the_numpy_one(bits, block, method, aware, transposed):
+    """plugins/cpu/quantize.c takes the symmetric blocks of a build: its integers, scales and
+    errors are numpy's to the bit, on every edge a block can have and on a width that is not a
+    multiple of its 32-column groups, its rows or its columns contiguous."""
+    rng = np.random.default_rng(bits * block)
+    w = _hard_weight(rng, 256, 203)
+    if transposed:  # a checkpoint's Linear, [N, K], read as [K, N]
+        w = np.ascontiguousarray(w.T).T
+    assert not w.flags.c_contiguous
+    importance = rng.random(256).astype(np.float32) * 10 if aware else None
+    assert quantizers._native_quantizer() is not None
+    native = quantize(w, bits, block, True, method, importance)
+    reference = quantizers.quantize_numpy(w, bits, block, True, method, importance)
+    for field in ("q", "scale", "errors"):
+        assert getattr(native, field).dtype == getattr(reference, field).dtype
+        assert np.array_equal(getattr(native, field), getattr(reference, field), equal_nan=True), field
 
 
 @pytest.mark.parametrize("options, message", [
@@ -241,6 +279,26 @@ def test_without_llmc_kernels_onnx_runtime_runs_the_quantized_graph_as_matmul_nb
     ops = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False).graph.node]
     assert ops.count("MatMulNBits") == 9 and "DequantizeLinear" in ops  # the embedding's stays
     assert len(_greedy(engine, [[5, 6, 7, 8]])[0]) == 12
+
+
+def test_calibration_runs_a_segment_of_weights_at_a_time(hf_models):
+    """The calibration statistics of a model run one segment (here: one weight) at a time are those
+    of the model run whole, and the LM head's logits are never computed."""
+    from llmc.compiler.export import export_onnx
+    from llmc.compiler.frontend import model_spec_from_config, read_config
+    from llmc.passes import calibrate
+
+    hf, folder = hf_models("tiny-llama")
+    model = export_onnx(hf, model_spec_from_config(read_config(folder)))
+    windows = np.random.default_rng(0).integers(0, 250, (3, 24))
+    whole = calibrate.mean_square_inputs(model, windows, segment_bytes=1 << 40)
+    needed = calibrate._needed(model, {n.inputs[0] for n in model.graph if n.op_type == "MatMul"})
+    segments = calibrate._segments(needed, 1)
+    assert len(segments) > 15 and not any(n.outputs[0].name == "logits" for n in needed)
+    apart = calibrate.mean_square_inputs(model, windows, segment_bytes=1)
+    assert whole.keys() == apart.keys() and len(whole) == 15
+    for name in whole:
+        np.testing.assert_allclose(apart[name], whole[name], rtol=1e-5, atol=1e-9)
 
 
 @needs_kernels

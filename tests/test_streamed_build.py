@@ -199,3 +199,17 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_and_leaves_no_engine(tmp_pa
     assert last.startswith("error: ") and says in last, last
     assert "Traceback" not in result.output
     assert not out.exists() and not any(p.name.startswith(".engine") for p in tmp_path.iterdir())
+
+
+def test_verify_is_refused_before_any_work_where_the_model_would_not_fit(tmp_path, monkeypatch):
+    """--verify compares whole graphs in ONNX Runtime; a model whose copies would not fit in the
+    memory available is refused in one line before the export, and leaves no engine."""
+    from llmc.compiler import build
+
+    monkeypatch.setattr(build, "available_memory", lambda: 1 << 20)
+    out = tmp_path / "engine"
+    result = CliRunner().invoke(main, _build_args(_copy(tmp_path), out, "--verify"))
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("error: --verify runs each pass's graph whole") and "build without --verify" in last, last
+    assert "export" not in result.output and not out.exists()

@@ -33,6 +33,8 @@ WEIGHTS_FILE = "model.onnx.data"
 TOKENIZER_DIR = "tokenizer"
 GENERATION_CONFIG = "generation_config.json"
 DEFAULT_MAX_CONTEXT = 4096
+# Tensors computed and written at once in the save: one reads and packs while another writes.
+SAVE_WORKERS = 2
 
 
 @dataclass
@@ -148,6 +150,8 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             if isinstance(p, RotaryTables):
                 p.max_context = max_context
         _check_quantization(options, spec, passes)
+        if options.verify:
+            _check_verify_fits(spec)
         stage("resolve", t, f"{spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}")
 
         t = time.perf_counter()
@@ -204,7 +208,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         with _own_errors():  # a weight read while writing may find the checkpoint damaged
             # Lazy weights are computed as they are written: this is most of a build's time.
             ir.save(model, writer.path / MODEL_FILE, external_data=WEIGHTS_FILE,
-                    callback=_save_progress(say, writer.expected_bytes))
+                    callback=_save_progress(say, writer.expected_bytes), max_workers=SAVE_WORKERS)
         # Lazily quantized weights were computed as they were written: their errors are known now.
         quantized = {name: QuantizedTensor(r["role"], r["format"], tuple(r["shape"]), round(r["relative_error"], 6))
                      for name, r in records_of(model).items()}
@@ -250,6 +254,33 @@ def engine_bytes(spec: ModelSpec, options: BuildOptions) -> int:
     return int(body * BYTES_PER_PARAMETER[options.format_of("body")]
                + table * BYTES_PER_PARAMETER[options.format_of("embedding")]
                + table * BYTES_PER_PARAMETER[options.format_of("lm_head")])
+
+
+# --verify holds the model whole several times: the pass's input cloned, and each of the two graphs
+# compared as a proto, its serialized bytes and ONNX Runtime's copy; float32, 4 bytes a parameter.
+VERIFY_BYTES_PER_PARAMETER = 6 * 4
+
+
+def _check_verify_fits(spec: ModelSpec) -> None:
+    """--verify compares whole graphs in ONNX Runtime: refuse it, before any work, for a model
+    that would not fit in the memory this machine has free."""
+    need, free = spec.parameter_count() * VERIFY_BYTES_PER_PARAMETER, available_memory()
+    if free is not None and need > free:
+        raise LlmcError(f"--verify runs each pass's graph whole in ONNX Runtime, about {need / 2**30:.1f} GiB for "
+                        f"this model's {spec.parameter_count() / 1e9:.2f} B parameters, and this machine has "
+                        f"{free / 2**30:.1f} GiB available; build without --verify (the passes are verified on "
+                        "small models by the test suite)")
+
+
+def available_memory() -> int | None:
+    """MemAvailable in bytes, or None where /proc/meminfo does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _save_progress(say: Progress, expected_bytes: int):

@@ -26,6 +26,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
 _MAX_HEADER = 100 << 20  # safetensors' own limit on a header's size
+READ_CHUNK = 16 << 20  # bytes read a time
 
 
 @dataclass(frozen=True)
@@ -78,25 +79,36 @@ class SafetensorsWeights(Weights):
         rows = t.shape[0] if t.shape else 1
         stop = rows if stop is None else stop
         row_bytes = t.nbytes // max(rows, 1)
-        out = np.empty((stop - start, *t.shape[1:]) if t.shape else (), t.dtype)
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        values = np.empty((stop - start, *t.shape[1:]) if t.shape else (), np.float32)
+        flat = values.reshape(-1)
+        # Read and widened a chunk at a time: the only whole array is the float32 result.
+        step = max(1, READ_CHUNK // max(t.dtype.itemsize, 1))
+        buffer = np.empty(0 if t.dtype == np.float32 else min(step, flat.size), t.dtype)
         with open(t.path, "rb", buffering=0) as f:
             f.seek(t.offset + start * row_bytes)
-            done = 0
-            while done < len(view):
-                got = f.readinto(view[done:])
-                if not got:
-                    raise ModelError(f"{t.path.name} ends inside tensor {name}; the file is truncated: "
-                                     "download the checkpoint again")
-                done += got
-        if t.dtype == DTYPES["BF16"]:  # a bfloat16 is a float32's high half: widened by a shift
-            values = np.left_shift(out.view(np.uint16).astype(np.uint32), 16).view(np.float32)
-        else:
-            values = out.astype(np.float32, copy=False)
-        if not np.isfinite(values).all():
-            raise ModelError(f"tensor {name}{layer_of(name)} holds NaN or Inf values; the checkpoint is damaged: "
-                             "download it again or fix the weights")
+            for a in range(0, flat.size, step):
+                # float32 is read where it goes; the 16-bit types through the buffer
+                chunk = flat[a:a + step] if t.dtype == np.float32 else buffer[:min(step, flat.size - a)]
+                _read_into(f, memoryview(chunk.view(np.uint8)), t.path, name)
+                if t.dtype == DTYPES["BF16"]:  # a bfloat16 is a float32's high half: widened by a shift
+                    np.left_shift(chunk.view(np.uint16), 16, out=flat[a:a + len(chunk)].view(np.uint32),
+                                  dtype=np.uint32)
+                elif t.dtype != np.float32:
+                    flat[a:a + len(chunk)] = chunk
+                if not np.isfinite(flat[a:a + len(chunk)]).all():
+                    raise ModelError(f"tensor {name}{layer_of(name)} holds NaN or Inf values; the checkpoint is "
+                                     "damaged: download it again or fix the weights")
         return values
+
+
+def _read_into(f, view: memoryview, path: Path, name: str) -> None:
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise ModelError(f"{path.name} ends inside tensor {name}; the file is truncated: "
+                             "download the checkpoint again")
+        done += got
 
 
 class StateDictWeights(Weights):

@@ -26,7 +26,7 @@ from llmc.contract.options import QUANT_BITS, BuildOptions
 from llmc.passes import lazy
 from llmc.passes.graph import perm, producer, tensor, weight
 from llmc.passes.manager import PassResult
-from llmc.passes.quantizers import QuantizedWeight, quantize, relative_error
+from llmc.passes.quantizers import QuantizedWeight, quantize
 from llmc.passes.rewrite import Rule, RulePass
 
 METADATA_KEY = "llmc.quantization"
@@ -68,9 +68,9 @@ class _Quantizer:
         method = "search" if o.quant_method == "awq" else o.quant_method
         return quantize(w, QUANT_BITS[fmt], o.quant_block_size, o.quant_symmetric, method, importance)
 
-    def record(self, name: str, role: str, fmt: str, w: np.ndarray, stored: np.ndarray | QuantizedWeight) -> None:
-        self.records[name] = {"role": role, "format": fmt, "shape": list(w.shape),
-                              "relative_error": relative_error(w, stored)}
+    def scaled_integers(self, columns: np.ndarray, fmt: str, s: np.ndarray, importance: np.ndarray):
+        """The quantization of s * columns, its search weighing row k by importance[k] / s[k]^2."""
+        return self.integers((columns * s[:, None]).astype(np.float32), fmt, (importance / s ** 2).astype(np.float32))
 
     def lazy_record(self, name: str, role: str, fmt: str, shape) -> np.ndarray:
         """A record whose error is gathered as column ranges are computed: the returned [2, N] array
@@ -79,16 +79,25 @@ class _Quantizer:
         self.records[name] = {"role": role, "format": fmt, "shape": list(shape), "relative_error": sums}
         return sums
 
-    def lazy_integers(self, w: lazy.Lazy, fmt: str, name: str, role: str) -> list[lazy.Lazy]:
+    def lazy_integers(self, w: lazy.Lazy, fmt: str, name: str, role: str, row_scale: np.ndarray | None = None,
+                      importance: np.ndarray | None = None) -> list[lazy.Lazy]:
         """[q, scale(, zero_point)] of `w` [K, N], each computed column range by column range from one
-        quantization of that range (Memo), when first read."""
+        quantization of that range (Memo), when first read. With `row_scale` s [K] (AWQ's), of
+        s * w, weighing each row's error by its importance / s^2, and the recorded error is that
+        of the result the graph computes, dequantized / s, against w."""
         sums = self.lazy_record(name, role, fmt, w.dims)
         kind = INT_TYPES[(QUANT_BITS[fmt], self.options.quant_symmetric)]
 
         def quantized(a: int, b: int) -> QuantizedWeight:
             # The columns as they come (a checkpoint's rows transposed: the tiles copy them over).
-            q = self.integers(w.columns(a, b), fmt, None)
-            sums[:, a:b] = q.errors
+            columns = w.columns(a, b)
+            if row_scale is None:
+                q = self.integers(columns, fmt, None)
+                sums[:, a:b] = q.errors
+                return q
+            q = self.scaled_integers(columns, fmt, row_scale, importance)
+            sums[:, a:b] = np.square(columns - q.dequantize() / row_scale[:, None]).sum(axis=0), \
+                np.square(columns).sum(axis=0)
             return q
 
         memo = lazy.Memo(quantized)
@@ -127,13 +136,11 @@ def finished_records(records: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def _int_initializer(op, q: QuantizedWeight, name: str):
-    symmetric = q.zero_point is None
-    kind = INT_TYPES[(q.bits, symmetric)]
-    values = [op.initializer(q.q.astype(kind), f"{name}.q"), op.initializer(q.scale, f"{name}.scale")]
-    if not symmetric:
-        values.append(op.initializer(q.zero_point.astype(kind), f"{name}.zero_point"))
-    return values
+def _dequantized(op, parts: list[lazy.Lazy], fmt: str, block_size: int) -> ir.Value:
+    """DequantizeLinear of lazy_integers' parts along K, as initializers."""
+    values = [op.initializer(part, part.name) for part in parts]
+    values[0].metadata_props[BITS_KEY] = str(QUANT_BITS[fmt])  # int6 lives in int8: packed-matmul's hint
+    return op.DequantizeLinear(*values, axis=0, block_size=block_size)
 
 
 class QuantizeMatMul(Rule):
@@ -173,10 +180,7 @@ class QuantizeMatMul(Rule):
             stored = self.quantizer.sixteen_bit(w, fmt, name, role)
             return op.MatMul(m.x, op.Cast(op.initializer(stored, name), to=FLOAT))
         parts = self.quantizer.lazy_integers(w, fmt, name, role)
-        values = [op.initializer(part, part.name) for part in parts]
-        values[0].metadata_props[BITS_KEY] = str(QUANT_BITS[fmt])  # int6 lives in int8: packed-matmul's hint
-        dq = op.DequantizeLinear(*values, axis=0, block_size=self.quantizer.options.quant_block_size)
-        return op.MatMul(m.x, dq)
+        return op.MatMul(m.x, _dequantized(op, parts, fmt, self.quantizer.options.quant_block_size))
 
 
 class ScaledQuantizeMatMul(QuantizeMatMul):
@@ -205,25 +209,27 @@ class ScaledQuantizeMatMul(QuantizeMatMul):
         return super().check(m)
 
     def rewrite(self, op, m):
-        w, fmt, role = matmul_weight(m.w), self._format(m), self._role(m)
+        w, fmt, role = matmul_tensor(m.w), self._format(m), self._role(m)
         importance = self.quantizer.importance[m.root.name].astype(np.float64)
         rms = np.sqrt(np.maximum(importance, 1e-12))
-        best = None
-        for alpha in self.ALPHAS:
-            s = (rms / np.exp(np.log(rms).mean())) ** alpha  # geometric mean 1: gamma keeps its scale
-            q = self.quantizer.integers((w * s[:, None]).astype(np.float32), fmt, (importance / s ** 2).astype(np.float32))
-            error = float((importance[:, None] * (w - q.dequantize() / s[:, None]) ** 2).sum())
-            if best is None or error < best[0]:
-                best = (error, s, q, alpha)
-        _, s, q, alpha = best
+        scales = [(rms / np.exp(np.log(rms).mean())) ** alpha for alpha in self.ALPHAS]  # geometric mean 1
+        errors = np.zeros(len(self.ALPHAS))
+        # Each candidate's activation-weighted error, column range by column range (a range of the
+        # weight at a time, read again from the checkpoint for each candidate).
+        step = lazy.float_step(w.dims[0])
+        for a in range(0, w.dims[1], step):
+            columns = w.columns(a, min(a + step, w.dims[1]))
+            for i, s in enumerate(scales):
+                q = self.quantizer.scaled_integers(columns, fmt, s, importance)
+                errors[i] += float((importance[:, None] * (columns - q.dequantize() / s[:, None]) ** 2).sum())
+        best = int(np.argmin(errors))
         name = f"{m.root.name}.weight"
-        self.quantizer.record(name, role, fmt, w, q.dequantize() / s[:, None])  # as the scaled graph computes
-        op.count(f"awq_alpha_{alpha:g}")
-        gamma = op.initializer((weight(m.gamma) / s).astype(np.float32), f"{m.gamma.name}.awq.{m.root.name}")
+        parts = self.quantizer.lazy_integers(w, fmt, name, role, scales[best], importance)
+        op.count(f"awq_alpha_{self.ALPHAS[best]:g}")
+        gamma = op.initializer((weight(m.gamma) / scales[best]).astype(np.float32), f"{m.gamma.name}.awq.{m.root.name}")
         normed = op.like(m.norm, m.x, gamma)
         normed.shape, normed.type = m.norm.outputs[0].shape, m.norm.outputs[0].type  # later rules read them
-        dq = op.DequantizeLinear(*_int_initializer(op, q, name), axis=0, block_size=q.block_size)
-        return op.MatMul(normed, dq)
+        return op.MatMul(normed, _dequantized(op, parts, fmt, self.quantizer.options.quant_block_size))
 
 
 class QuantizeEmbedding(Rule):

@@ -5,7 +5,8 @@ slots it uses are declared in ort_abi.h because the ORT wheel ships no headers) 
 setup.py when llmc is installed, as an optional extension: without a C compiler the install
 still succeeds, the passes that target these ops stand aside and engines use standard ONNX ops.
 The library is a plain shared object for ORT's `register_custom_ops_library`, not a Python
-module: nothing imports it. The ops and their inputs are documented in kernels.h.
+module; the build also calls its quantizer (quantize.c) through ctypes (passes/quantizers.py).
+The ops and their inputs are documented in kernels.h.
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ def pack_weight(w):
 
     k, n = w.shape
     panels = -(-n // PANEL)
-    padded = np.zeros((k, panels * PANEL), np.float32)
-    padded[:, :n] = w
-    return np.ascontiguousarray(padded.reshape(k, panels, PANEL).transpose(1, 0, 2))
+    out = np.empty((panels, k, PANEL), np.float32)
+    full = n // PANEL
+    # Each panel is a [K, PANEL] slice; copied panel by panel from the rows of a checkpoint's
+    # [N, K] Linear (w is its transposed view), rather than through a transposed copy of all of w.
+    np.copyto(out[:full], w[:, :full * PANEL].T.reshape(full, PANEL, k).transpose(0, 2, 1))
+    if n > full * PANEL:
+        out[full] = 0
+        out[full, :, :n - full * PANEL] = w[:, full * PANEL:]
+    return out
