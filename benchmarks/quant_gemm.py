@@ -1,13 +1,16 @@
 """llmc's packed GEMM per weight format (fp32, bf16, int8, int4) on smollm2-135m's shapes.
 
     python benchmarks/quant_gemm.py [--rows 1 8 128] [--shapes qkv o gate_up down lm_head]
+                                    [--formats fp32 bf16 int8 int4 ort-int4 | FORMAT@TILE ...]
                                     [--threads 2] [--rounds 15] [--cache-mb 64] [--no-ort]
 
 Each (shape, rows, format) is one ORT session (2 intra-op threads) of independent PackedMatMul
 nodes over distinct weights, as many as make --cache-mb of weight bytes (2x this VM's L3), so the
 weights stream from memory as in a model step, where the other layers evict them. The formats
 run interleaved, round after round, in one process; the table gives the median ms per call (a
-node), the weight bytes streamed per second, and the time as a ratio to fp32's. `ort-int4` is
+node), the weight bytes streamed per second, and the time as a ratio to fp32's. A format takes the
+tile this host measured faster (plugins/cpu/host.py); `FORMAT@TILE` in --formats (`int8@vnni`,
+`int8@avx2`, `bf16@avx512`, `bf16@avx2`) forces one, to time the alternatives side by side. `ort-int4` is
 ONNX Runtime's own MatMulNBits (int4, block 32, accuracy_level 4: int8 activations, as ORT
 GenAI's CPU int4 models use) for comparison. Last, a plain read rate of this machine (ORT
 ReduceSum over 256 MB, the same threads) to compare the M = 1 weight streams with.
@@ -87,6 +90,20 @@ def session(fmt: str, k: int, n: int, copies: int, threads: int, rng) -> tuple[o
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]), nbytes
 
 
+def use_tile(fmt: str) -> None:
+    """`int8@vnni`, `bf16@avx512`...: that tile (plugins/cpu/host.py's TILES) for the format's next
+    calls; a plain format: the tile this host measured faster."""
+    import ctypes
+
+    from llmc.plugins import cpu
+    from llmc.plugins.cpu import host
+
+    lib = ctypes.CDLL(str(cpu.library_path()))
+    measured = host.use_measured_kernels(cpu.library_path())
+    base, _, tile = fmt.partition("@")
+    host.apply(lib, {**measured, base: {"tile": tile}} if tile else measured)
+
+
 def read_rate(threads: int, mb: int = 256, rounds: int = 7) -> float:
     """GB/s of a plain parallel read: ORT ReduceSum of [threads * 64, ...] float32 rows, axis 1."""
     rows = 64 * threads
@@ -129,17 +146,20 @@ def main() -> None:
         k, n = SHAPES[name]
         built = {}
         for fmt in formats:
-            one = _weight(fmt, k, n, rng)[2] if fmt != "ort-int4" else _ort_int4(k, n, rng)[2]
+            base = fmt.split("@")[0]
+            one = _weight(base, k, n, rng)[2] if base != "ort-int4" else _ort_int4(k, n, rng)[2]
             copies = max(1, int(np.ceil(args.cache_mb * 2 ** 20 / one)))
-            built[fmt] = (*session(fmt, k, n, copies, args.threads, rng), copies)
+            built[fmt] = (*session(base, k, n, copies, args.threads, rng), copies)
         for m in args.rows:
             x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
             times = {f: [] for f in formats}
             for f in formats:  # warm-up
+                use_tile(f)
                 built[f][0].run(None, {"x": x})
             for _ in range(args.rounds):
                 for f in formats:
                     sess, _, copies = built[f]
+                    use_tile(f)
                     start = time.perf_counter()
                     sess.run(None, {"x": x})
                     times[f].append((time.perf_counter() - start) / copies)

@@ -36,7 +36,8 @@ def _rows(d: dict[str, Any]) -> list[str]:
     return [f"  {str(k):<{width}}  {_value(v)}" for k, v in d.items()]
 
 
-def describe(manifest: Manifest, engine_dir: str | Path) -> str:
+def describe(manifest: Manifest, engine_dir: str | Path, host_kernels: dict | None = None) -> str:
+    """`host_kernels`: what plugins/cpu/host.py measured on this host (an engine on llmc's CPU kernels)."""
     m = manifest
     lines: list[str] = [f"Engine {Path(engine_dir)}"]
     lines += _rows({"source": m.source.model, "llmc version": f"{m.llmc_version} (schema {m.schema_version})",
@@ -88,6 +89,17 @@ def describe(manifest: Manifest, engine_dir: str | Path) -> str:
         body += [f"  {p.name:<{width}}  {_value(p.changed):<7}  {p.seconds:>7.2f}s  "
                  f"{', '.join(f'{k}={v}' for k, v in p.counts.items()) or '-'}" for p in m.passes]
         section(f"Passes ({len(m.passes)})", body)
+    if host_kernels:
+        from llmc.plugins.cpu.host import PROBE_SHAPES, QUANT_BITS, host
+
+        def line(fmt: str, c: dict) -> str:
+            k, n = PROBE_SHAPES["quant" if fmt in QUANT_BITS else "16bit"]
+            times = ", ".join(f"{tile} {s * 1e3:.2f} ms" for tile, s in c["seconds"].items())
+            rows = "decode rows" if fmt in QUANT_BITS else "every product"
+            return f"  {fmt} {rows:<13}  {c['tile']:<6}  ({times} for a [{k}, {n}] weight on one thread)"
+
+        section(f"This host's kernels ({host()['cpu']}: {' '.join(host()['isa'])}), measured once per host",
+                [line(fmt, c) for fmt, c in host_kernels.items()])
     if m.files:
         width = max(len(rel) for rel in m.files)
         body = [f"  {rel:<{width}}  {_human_bytes(e.bytes):>10}" for rel, e in m.files.items()]

@@ -4,6 +4,8 @@ arithmetic (activations quantized per row and block, integer sums)."""
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -86,6 +88,60 @@ def test_quantized_matmul_matches_the_reference(bits, asymmetric, block):
         assert (err <= _tolerance(x, q, scale, zp, block)).all(), (rows, err.max())
 
 
+def _library():
+    from llmc.plugins import cpu
+
+    return ctypes.CDLL(str(cpu.library_path()))
+
+
+@pytest.mark.parametrize("vnni", [0, 1], ids=["avx2", "vnni"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_either_decode_tile_matches_the_reference(bits, vnni):
+    """A decode step's rows (1 and 2) take the tile the host measured faster: each one a host may
+    choose gives the reference's sums."""
+    from llmc.plugins import cpu
+    from llmc.plugins.cpu import host
+
+    lib = _library()
+    seconds = (ctypes.c_double * 2)()
+    if host._probe(lib, "llmc_probe_quant")(bits, 1, 64, 32, 1, seconds) or seconds[vnni] < 0:
+        pytest.skip("this CPU has no AVX-512 VNNI" if vnni else "this CPU has no AVX2")
+    rng = np.random.default_rng(bits + 10 * vnni)
+    k, n, block = 128, 70, 32
+    q, scale, zp = _quantized(rng, k, n, bits, block, False)
+    fmt = f"int{bits}"
+    sess = _session("PackedMatMul", ["x", "w"], ["y"], fmt, n=n, **_attrs(fmt, block, zp))
+    try:
+        assert lib.llmc_set_decode_tile(bits, vnni) == 0
+        for rows in (1, 2):
+            x = rng.standard_normal((1, rows, k), dtype=np.float32)
+            y, = sess.run(None, {"x": x, "w": quant.pack_quantized(q, scale, zp, bits, block)})
+            err = np.abs(y.reshape(rows, n) - quant.reference(x, q, scale, zp, bits, block).reshape(rows, n))
+            assert (err <= _tolerance(x, q, scale, zp, block)).all(), (rows, err.max())
+    finally:
+        host.apply(lib, host.use_measured_kernels(cpu.library_path()))
+
+
+def test_the_decode_tiles_are_measured_once_per_host(tmp_path, monkeypatch):
+    """The probe times each tile the CPU has; the faster is kept per host and library build and
+    read back by the next process instead of measuring again."""
+    from llmc.plugins import cpu
+    from llmc.plugins.cpu import host
+
+    monkeypatch.setenv("LLMC_CACHE", str(tmp_path))
+    tiles = host.measure(_library())
+    assert set(tiles) == {"int4", "int6", "int8", "bf16", "fp16"}
+    for choice in tiles.values():
+        assert choice["seconds"]["avx2"] > 0 and choice["tile"] == min(choice["seconds"], key=choice["seconds"].get)
+    host.use_measured_kernels.cache_clear()
+    kept = host.use_measured_kernels(cpu.library_path())
+    path = host.choices_path(cpu.library_path())
+    assert path.is_file() and json.loads(path.read_text())["host"] == host.host()
+    monkeypatch.setattr(host, "measure", lambda lib: pytest.fail("measured again"))
+    host.use_measured_kernels.cache_clear()
+    assert host.use_measured_kernels(cpu.library_path()) == kept
+
+
 def test_the_reference_is_close_to_the_float_product():
     """Sanity of the contract: activation quantization costs ~1% of the float product, not more."""
     rng = np.random.default_rng(0)
@@ -127,6 +183,35 @@ def test_16bit_matmul_matches_numpy(fmt, rows):
     np.testing.assert_allclose(y, x @ rounded, rtol=1e-5, atol=1e-4)
     with pytest.raises(Exception, match="16-bit weight must be uint16"):
         sess.run(None, {"x": x, "w": packed[:2].copy()})
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_the_wide_16bit_tile_gives_the_same_sums(fmt):
+    """The AVX-512 tile a host may measure faster adds the same products in the same order as the
+    AVX2 one: the same outputs to the bit, at row counts of one pass and two, and a partial panel."""
+    from llmc.plugins import cpu
+    from llmc.plugins.cpu import host
+
+    lib, bf16 = _library(), int(fmt == "bf16")
+    seconds = (ctypes.c_double * 2)()
+    if host._probe(lib, "llmc_probe_16bit")(bf16, 1, 64, 32, 1, seconds) or seconds[1] < 0:
+        pytest.skip("this CPU has no AVX-512")
+    rng = np.random.default_rng(bf16)
+    k, n = 40, 70
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    sess = _session("PackedMatMul", ["x", "w"], ["y"], fmt, n=n, weight_format=quant.WEIGHT_FORMATS[fmt])
+    rounded = quant.from_16bit(quant.to_16bit(w, fmt), fmt)
+    try:
+        for rows in (1, 2, 3, 5, 8, 13):
+            x = rng.standard_normal((1, rows, k), dtype=np.float32)
+            outs = []
+            for wide in (0, 1):
+                assert lib.llmc_set_16bit_tile(bf16, wide) == 0
+                outs.append(sess.run(None, {"x": x, "w": quant.pack_16bit(w, fmt)})[0])
+            assert np.array_equal(outs[0], outs[1])
+            np.testing.assert_allclose(outs[1], x @ rounded, rtol=1e-5, atol=1e-4)
+    finally:
+        host.apply(lib, host.use_measured_kernels(cpu.library_path()))
 
 
 def test_bf16_rounds_to_nearest_even():

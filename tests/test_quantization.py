@@ -4,6 +4,7 @@ built with --quant / --weight-dtype / --kv-cache-dtype, what they record and wha
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -249,6 +250,8 @@ def test_a_quantized_engine_records_what_it_stored(engines):
     assert "## Quantized weights" in (engine / "build_report.md").read_text()
     text = CliRunner().invoke(main, ["inspect", str(engine)]).output
     assert "Quantization" in text and "int4" in text and "KV cache" in text
+    # which tile this host's decode steps take, as measured here (plugins/cpu/host.py)
+    assert "This host's kernels" in text and re.search(r"int8 decode rows    (avx2|vnni)  +\(avx2 [\d.]+ ms", text)
     fp32 = sum(f.bytes for f in open_engine(engines("tiny-llama")).manifest.files.values() if f.bytes > 10000)
     quantized = sum(f.bytes for f in manifest.files.values() if f.bytes > 10000)
     assert quantized < 0.3 * fp32

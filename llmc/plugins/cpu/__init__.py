@@ -51,6 +51,9 @@ def register(session_options) -> None:
         raise LlmcError(f"this engine runs llmc's CPU kernels, which this install lacks; {MISSING_HINT}, "
                         "or rebuild the engine with --disable-pass cpu-kernels")
     session_options.register_custom_ops_library(str(path))
+    from llmc.plugins.cpu.host import use_measured_kernels
+
+    use_measured_kernels(path)  # this host's choices, set in the library before the session runs
 
 
 def pack_weight(w):

@@ -19,12 +19,14 @@
  * scale[c] * sx[r] * that to the row's float accumulator.
  * Two rows per tile: 8 integer accumulators, 4 weight vectors and the constants fill the 16 ymm
  * registers (the float accumulators are touched once per sub-block). */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime, for the probe */
 #include "kernels.h"
 #include "simd.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define QUANT_HEADER 64     /* a block's 32 scales, float16 */
 #define QUANT_ZP 32         /* a block's 32 zero points, int8 (asymmetric only) */
@@ -600,25 +602,22 @@ static inline __attribute__((always_inline)) AVX2 void half_tile(const float *re
             _mm256_storeu_ps(out + r * out_stride + 8 * j, acc[r][j]);
 }
 
-#define HALF_ROWS 3
-#define HALF_PANELS(NAME, BF16)                                                                           \
-    static AVX2 void NAME(const float *x, const uint16_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t p0, \
-                          int64_t p1) {                                                                   \
-        float tail[HALF_ROWS * LLMC_PANEL];                                                               \
-        const int once = m <= HALF_ROWS;                                                                  \
+/* The 16-bit panels [p0, p1): up to MAX_ROWS rows a pass through TILE (ROWS: the LLMC_ROWS_*
+ * switch of that many), the rows of a partial last panel through a scratch tile. */
+#define HALF_TILE_ROWS(TILE, BF16, once, x, panel, out, k, stride, R) TILE(x, panel, out, k, stride, R, BF16, once)
+#define HALF_PANELS(NAME, BF16, TILE, TARGET, MAX_ROWS, ROWS)                                              \
+    static TARGET void NAME(const float *x, const uint16_t *w, float *y, int64_t m, int64_t k, int64_t n, \
+                            int64_t p0, int64_t p1) {                                                     \
+        float tail[MAX_ROWS * LLMC_PANEL];                                                                \
+        const int once = m <= MAX_ROWS;                                                                   \
         for (int64_t p = p0; p < p1; p++) {                                                               \
             const uint16_t *panel = w + p * k * LLMC_PANEL;                                               \
             int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;            \
             for (int64_t r = 0; r < m;) {                                                                 \
-                int64_t rows = m - r >= 3 ? 3 : (m - r >= 2 ? 2 : 1);                                     \
+                const int64_t rows = m - r >= MAX_ROWS ? MAX_ROWS : m - r;                                \
                 float *out = width == LLMC_PANEL ? y + r * n + col : tail;                                \
-                int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;                                    \
-                if (rows == 3)                                                                            \
-                    half_tile(x + r * k, panel, out, k, stride, 3, BF16, once);                           \
-                else if (rows == 2)                                                                       \
-                    half_tile(x + r * k, panel, out, k, stride, 2, BF16, once);                           \
-                else                                                                                      \
-                    half_tile(x + r * k, panel, out, k, stride, 1, BF16, once);                           \
+                const int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;                              \
+                ROWS(rows, HALF_TILE_ROWS, TILE, BF16, once, x + r * k, panel, out, k, stride)            \
                 if (width != LLMC_PANEL)                                                                  \
                     for (int64_t i = 0; i < rows; i++)                                                    \
                         memcpy(y + (r + i) * n + col, tail + i * LLMC_PANEL, (size_t)width * sizeof(float)); \
@@ -626,8 +625,51 @@ static inline __attribute__((always_inline)) AVX2 void half_tile(const float *re
             }                                                                                             \
         }                                                                                                 \
     }
-HALF_PANELS(bf16_panels, 1)
-HALF_PANELS(fp16_panels, 0)
+HALF_PANELS(bf16_panels, 1, half_tile, AVX2, 3, LLMC_ROWS_3)
+HALF_PANELS(fp16_panels, 0, half_tile, AVX2, 3, LLMC_ROWS_3)
+
+/* The same tile 16 columns a register: per column the same products added in the same order, so
+ * the same sums to the bit, in half the instructions a weight byte (what a host whose decode is
+ * bound by instructions rather than memory needs; the probe decides), and 8 rows a pass. */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+static inline __attribute__((always_inline)) AVX512 void half_tile512(const float *restrict x,
+                                                                      const uint16_t *restrict panel,
+                                                                      float *restrict out, int64_t k,
+                                                                      int64_t out_stride, const int R,
+                                                                      const int bf16, const int once) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        const uint16_t *row = panel + i * LLMC_PANEL;
+        PREFETCH_FOR(once, (const uint8_t *)row + HALF_AHEAD);
+        __m512 w[2];
+        for (int j = 0; j < 2; j++) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)(row + 16 * j));
+            w[j] = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 xb = _mm512_set1_ps(x[r * k + i]);
+            acc[r][0] = _mm512_fmadd_ps(xb, w[0], acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xb, w[1], acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 2; j++)
+            _mm512_storeu_ps(out + r * out_stride + 16 * j, acc[r][j]);
+}
+
+/* 8 rows a pass: 16 accumulators of the 32 registers */
+HALF_PANELS(bf16_panels512, 1, half_tile512, AVX512, 8, LLMC_ROWS_8)
+HALF_PANELS(fp16_panels512, 0, half_tile512, AVX512, 8, LLMC_ROWS_8)
+
+static int llmc_avx512(void) {
+    static int cached = -1;
+    if (cached < 0)
+        cached = llmc_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl");
+    return cached;
+}
 #else
 #define HAVE_AVX2_PATH 0
 static int llmc_avx2(void) { return 0; }
@@ -645,12 +687,142 @@ void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_
     quantize_rows_plain(a, x, row0, row1);
 }
 
+/* Which tile a decode step's product (at most ONE_PASS_ROWS rows) takes per format (int4, int6,
+ * int8): 1 VNNI, 0 AVX2, as measured on this host (llmc_probe_quant, plugins/cpu/host.py) and set
+ * before a session runs; -1 until then: VNNI but for int8, the rule of the first VNNI host measured
+ * (docs/quantization.md), which the Intel host contradicts. */
+static int decode_vnni[3] = {-1, -1, -1};
+
+LLMC_EXPORT int llmc_set_decode_tile(int bits, int vnni) {
+    if ((bits != 4 && bits != 6 && bits != 8) || vnni < -1 || vnni > 1)
+        return -1;
+    decode_vnni[(bits - 4) / 2] = vnni;
+    return 0;
+}
+
+#if HAVE_AVX2_PATH
+static int takes_vnni(int bits, int64_t m) {
+    if (!llmc_vnni())
+        return 0;
+    if (m > ONE_PASS_ROWS)
+        return 1;
+    const int chosen = decode_vnni[(bits - 4) / 2];
+    return chosen < 0 ? bits != 8 : chosen;
+}
+#endif
+
+/* Which tile each 16-bit format (fp16, bf16) takes: 1 the AVX-512 one, 0 AVX2, as measured on this
+ * host (llmc_probe_16bit) and set before a session runs; -1 until then: AVX2. */
+static int wide_16bit[2] = {-1, -1};
+
+LLMC_EXPORT int llmc_set_16bit_tile(int bf16, int avx512) {
+    if (avx512 < -1 || avx512 > 1)
+        return -1;
+    wide_16bit[bf16 != 0] = avx512;
+    return 0;
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* How long m rows times a [k, n] symmetric block-32 weight of `bits` take through each tile, on
+ * this thread: seconds[0] the AVX2 tile's, seconds[1] the VNNI one's (-1 where the CPU lacks it),
+ * the fastest of `reps` calls each, the tiles taking turns. The weight (random integers, fixed
+ * scales) should exceed the last-level cache, so it streams from memory as a model's does.
+ * Returns 0, or -1 where no tile runs (no AVX2, bad arguments, no memory). */
+LLMC_EXPORT int llmc_probe_quant(int bits, int64_t m, int64_t k, int64_t n, int reps, double seconds[2]) {
+    seconds[0] = seconds[1] = -1;
+#if HAVE_AVX2_PATH
+    if ((bits != 4 && bits != 6 && bits != 8) || m < 1 || m > FEW_ROWS || k % 32 || n < 1 || reps < 1 ||
+        !llmc_avx2())
+        return -1;
+    const int64_t block = 32, panels = (n + LLMC_PANEL - 1) / LLMC_PANEL;
+    const int64_t bytes = llmc_quant_bytes(k, n, bits, block, 0), block_bytes = llmc_quant_block_bytes(bits, block, 0);
+    uint64_t *w = malloc((size_t)(bytes + 7) / 8 * 8);
+    float *x = malloc((size_t)(m * k) * sizeof(float)), *y = malloc((size_t)(m * n) * sizeof(float));
+    void *scratch = malloc((size_t)llmc_qact_bytes(m, k, block));
+    int status = -1;
+    if (w && x && y && scratch) {
+        uint64_t state = 0x9E3779B97F4A7C15ull;
+        for (int64_t i = 0; i < (bytes + 7) / 8; i++) {
+            state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+            w[i] = state;
+        }
+        uint8_t *blob = (uint8_t *)w;
+        for (int64_t b = 0; b < bytes / block_bytes; b++)  /* each block's 32 float16 scales: 1/256 */
+            for (int c = 0; c < LLMC_PANEL; c++)
+                memcpy(blob + b * block_bytes + 2 * c, &(uint16_t){0x1c00}, 2);
+        for (int64_t i = 0; i < m * k; i++)
+            x[i] = (float)((i * 7919) % 255) / 127.0f - 1.0f;
+        llmc_qact a;
+        llmc_qact_init(&a, scratch, m, k, block);
+        llmc_quantize_rows(&a, x, 0, m);
+        for (int r = 0; r < reps; r++)
+            for (int vnni = 0; vnni <= llmc_vnni(); vnni++) {
+                const double t0 = now();
+                QUANT_PANELS_BY[vnni ? TILE_VNNI_FEW : TILE_AVX2][(bits - 4) / 2][0](&a, blob, y, n, 0, panels);
+                const double took = now() - t0;
+                seconds[vnni] = seconds[vnni] < 0 || took < seconds[vnni] ? took : seconds[vnni];
+            }
+        status = 0;
+    }
+    free(w), free(x), free(y), free(scratch);
+    return status;
+#else
+    (void)bits, (void)m, (void)k, (void)n, (void)reps;
+    return -1;
+#endif
+}
+
+/* llmc_probe_quant for the 16-bit formats (bf16 or fp16): seconds[0] the AVX2 tile's, seconds[1]
+ * the AVX-512 one's (-1 where the CPU lacks it). The weight's values are normal numbers (no
+ * subnormal, which some CPUs take slow paths for). */
+LLMC_EXPORT int llmc_probe_16bit(int bf16, int64_t m, int64_t k, int64_t n, int reps, double seconds[2]) {
+    seconds[0] = seconds[1] = -1;
+#if HAVE_AVX2_PATH
+    if (m < 1 || k < 1 || n < 1 || reps < 1 || !llmc_avx2())
+        return -1;
+    const int64_t panels = (n + LLMC_PANEL - 1) / LLMC_PANEL, count = panels * k * LLMC_PANEL;
+    uint16_t *w = malloc((size_t)count * sizeof(uint16_t));
+    float *x = malloc((size_t)(m * k) * sizeof(float)), *y = malloc((size_t)(m * n) * sizeof(float));
+    int status = -1;
+    if (w && x && y) {
+        uint32_t state = 2463534242u;
+        /* sign and mantissa random, the exponent 2^-7 */
+        const uint16_t keep = bf16 ? 0x807f : 0x83ff, exponent = bf16 ? 0x78 << 7 : 0x08 << 10;
+        for (int64_t i = 0; i < count; i++) {
+            state ^= state << 13, state ^= state >> 17, state ^= state << 5;
+            w[i] = (uint16_t)((state & keep) | exponent);
+        }
+        for (int64_t i = 0; i < m * k; i++)
+            x[i] = (float)((i * 7919) % 255) / 127.0f - 1.0f;
+        for (int r = 0; r < reps; r++)
+            for (int wide = 0; wide <= llmc_avx512(); wide++) {
+                const double t0 = now();
+                if (wide)
+                    (bf16 ? bf16_panels512 : fp16_panels512)(x, w, y, m, k, n, 0, panels);
+                else
+                    (bf16 ? bf16_panels : fp16_panels)(x, w, y, m, k, n, 0, panels);
+                const double took = now() - t0;
+                seconds[wide] = seconds[wide] < 0 || took < seconds[wide] ? took : seconds[wide];
+            }
+        status = 0;
+    }
+    free(w), free(x), free(y);
+    return status;
+#else
+    (void)bf16, (void)m, (void)k, (void)n, (void)reps;
+    return -1;
+#endif
+}
+
 void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int bits, int zero_points,
                        int64_t p0, int64_t p1) {
 #if HAVE_AVX2_PATH
-    /* int8 at 1-2 rows streamed no faster through the VNNI tile than the AVX2 one, and slower
-     * at times (docs/quantization.md), so it takes VNNI from 3 rows. */
-    const int vnni = llmc_vnni() && (bits != 8 || a->m > ONE_PASS_ROWS);
+    const int vnni = takes_vnni(bits, a->m);
     if (vnni || llmc_avx2()) {
         const int tile = !vnni ? TILE_AVX2 : a->m <= FEW_ROWS ? TILE_VNNI_FEW : TILE_VNNI;
         QUANT_PANELS_BY[tile][(bits - 4) / 2][zero_points != 0](a, w, y, n, p0, p1);
@@ -672,7 +844,10 @@ void llmc_linear_16bit(const float *x, const uint16_t *w, float *y, int64_t m, i
                        int64_t p0, int64_t p1) {
 #if HAVE_AVX2_PATH
     if (llmc_avx2()) {
-        (bf16 ? bf16_panels : fp16_panels)(x, w, y, m, k, n, p0, p1);
+        if (wide_16bit[bf16 != 0] == 1 && llmc_avx512())
+            (bf16 ? bf16_panels512 : fp16_panels512)(x, w, y, m, k, n, p0, p1);
+        else
+            (bf16 ? bf16_panels : fp16_panels)(x, w, y, m, k, n, p0, p1);
         return;
     }
 #endif

@@ -15,7 +15,6 @@
 #include <math.h>
 #include <stdint.h>
 
-#define EXPORT __attribute__((visibility("default")))
 #define MAX_BLOCK 128    /* the largest block size the options allow */
 #define SEARCH_STEPS 10  /* quantizers.SEARCH_STEPS */
 /* The helpers are inlined into each clone of the entry point, so they vectorize for its ISA. */
@@ -213,7 +212,7 @@ INLINE void quantize_group(const float *x, int64_t ld, int rows, int bits, int s
  * squared norm. importance [k] or NULL weighs each row's error in the search. A weight read
  * transposed (a checkpoint's Linear is [n, k]: col_stride k) or the last few columns go through a
  * [block, G] copy, zero-padded. Returns 0, or -1 for arguments it does not take. */
-EXPORT LLMC_CLONES int llmc_quantize_symmetric(const float *w, int64_t k, int64_t n, int64_t row_stride,
+LLMC_EXPORT LLMC_CLONES int llmc_quantize_symmetric(const float *w, int64_t k, int64_t n, int64_t row_stride,
                                                int64_t col_stride, int bits, int64_t block, int search,
                                                const float *importance, int8_t *q, float *scale, float *errors,
                                                int64_t first, int64_t stride) {

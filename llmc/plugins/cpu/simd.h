@@ -13,6 +13,9 @@
 #define LLMC_CLONES
 #endif
 
+/* What Python calls through ctypes (the library is built with hidden visibility). */
+#define LLMC_EXPORT __attribute__((visibility("default")))
+
 /* 16 floats: one AVX-512 register (two AVX2 ones in the x86-64-v3 clone). GCC/clang's vector
  * extension keeps register-blocked loops portable across the clones. */
 typedef float v16 __attribute__((vector_size(64)));
@@ -68,6 +71,11 @@ static inline int llmc_avx2(void) {
     switch (rows) {                                                                                \
     case 2: TILE(__VA_ARGS__, 2); break;                                                           \
     default: TILE(__VA_ARGS__, 1); break;                                                          \
+    }
+#define LLMC_ROWS_3(rows, TILE, ...)                                                               \
+    switch (rows) {                                                                                \
+    case 3: TILE(__VA_ARGS__, 3); break;                                                           \
+    default: LLMC_ROWS_2(rows, TILE, __VA_ARGS__);                                                 \
     }
 #define LLMC_ROWS_4(rows, TILE, ...)                                                               \
     switch (rows) {                                                                                \
