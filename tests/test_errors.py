@@ -58,6 +58,19 @@ def test_unsupported_architecture(tmp_path):
     assert "LlamaForCausalLM" in text  # the message lists what is supported
 
 
+@pytest.mark.parametrize("config, lacks", [
+    ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}, "attention and final logit softcaps"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}, "multi-head latent attention"),
+    ({"model_type": "falcon_h1"}, "state-space (Mamba-2) layers"),
+    ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "mixture-of-experts layers"),
+])
+def test_a_known_architecture_is_refused_naming_what_llmc_lacks(tmp_path, config, lacks):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    _assert_one_line_error(["build", str(folder), "-o", str(tmp_path / "e")], f"(llmc lacks its {lacks}")
+
+
 def test_unknown_pass_and_required_pass(tmp_path):
     _assert_one_line_error(["build", "tiny-llama", "-o", str(tmp_path / "e"), "--disable-pass", "nope"], "unknown pass")
     _assert_one_line_error(["build", "tiny-llama", "-o", str(tmp_path / "e"), "--disable-pass", "paged-kv-cache"],

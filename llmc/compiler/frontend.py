@@ -15,12 +15,14 @@ from typing import Any
 from llmc.errors import ModelError, first_line
 from llmc.contract.model_spec import ModelSpec
 
-# HF architecture class -> family. Llama, Mistral, Qwen2 and Phi-3 share one structure
-# (pre-norm decoder, RMSNorm, RoPE, SwiGLU, GQA), so they share one code path.
+# HF architecture class -> family. Llama, Mistral, Qwen2, Qwen3 and Phi-3 share one structure
+# (pre-norm decoder, RMSNorm, RoPE, SwiGLU, GQA), so they share one code path; Qwen3's QK-norm (an
+# RMSNorm over each query and key head before RoPE) is in the exported graph and runs as its ops.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
 }
 
@@ -77,9 +79,28 @@ def read_config(folder: Path) -> dict[str, Any]:
 # model_type -> architecture, for a config.json that names no architectures (transformers loads
 # those by model_type).
 _ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                         "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # RoPE types whose frequencies are fixed at build time, or made per row at export (longrope,
 # dynamic: see llmc.compiler.rope).
+# Architectures people run on CPUs that llmc does not build yet (model_type -> class, what each
+# needs beyond the shared structure; docs/families.md): the refusal names it.
+MISSING_FEATURES = {
+    "gemma2": ("Gemma2ForCausalLM", "attention and final logit softcaps, (1 + w) RMSNorm, sandwich norms and "
+               "embedding scale"),
+    "gemma3_text": ("Gemma3ForCausalLM", "per-layer RoPE bases, (1 + w) RMSNorm, sandwich norms and embedding scale"),
+    "gemma3": ("Gemma3ForConditionalGeneration", "vision tower and Gemma 3's text features"),
+    "smollm3": ("SmolLM3ForCausalLM", "NoPE layers (no_rope_layers)"),
+    "olmo2": ("Olmo2ForCausalLM", "post-norms and QK-norm over the whole projection"),
+    "granite": ("GraniteForCausalLM", "embedding, residual, attention and logits multipliers"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "mixture-of-experts layers"),
+    "mixtral": ("MixtralForCausalLM", "mixture-of-experts layers"),
+    "gpt_oss": ("GptOssForCausalLM", "mixture-of-experts layers and attention sinks"),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "multi-head latent attention and mixture-of-experts layers"),
+    "qwen3_next": ("Qwen3NextForCausalLM", "linear-attention (Gated DeltaNet) and mixture-of-experts layers"),
+    "falcon_h1": ("FalconH1ForCausalLM", "state-space (Mamba-2) layers"),
+    "jamba": ("JambaForCausalLM", "state-space (Mamba) and mixture-of-experts layers"),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "state-space (Mamba-2) and mixture-of-experts layers"),
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -91,8 +112,11 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
         arch = _ARCHITECTURE_OF_TYPE.get(config.get("model_type"))
     if arch is None:
         got = ", ".join(archs) if archs else f"model_type={config.get('model_type')!r}"
+        lacks = next((what for model_type, (cls, what) in MISSING_FEATURES.items()
+                      if cls in archs or model_type == config.get("model_type")), None)
+        why = f" (llmc lacks its {lacks})" if lacks else ""
         raise ModelError(
-            f"unsupported architecture {got}; llmc supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {got}{why}; llmc supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     model_type = config.get("model_type")
     if model_type not in _ARCHITECTURE_OF_TYPE:
@@ -106,7 +130,7 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     window = config.get("sliding_window")
-    if family == "qwen2" and not config.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
         window = None
     rope = config.get("rope_parameters") or {}
     rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -151,7 +175,7 @@ def _layer_types(config: dict[str, Any], family: str, window: int | None) -> tup
 
     Of the supported families only Qwen2 mixes layer kinds (its first max_window_layers layers
     attend in full); Mistral and Phi-3 window every layer and ignore layer_types."""
-    if not window or family != "qwen2":
+    if not window or family not in ("qwen2", "qwen3"):
         return ()
     layers = config["num_hidden_layers"]
     types = config.get("layer_types")
