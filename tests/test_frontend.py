@@ -42,6 +42,15 @@ def test_qwen2_layer_kinds_follow_max_window_layers():
     assert [spec.window(i) for i in range(spec.num_layers)] == [0, 0]
 
 
+def test_smollm3_windows_its_layers_without_rope_and_only_with_use_sliding_window():
+    config = _config("tiny-smollm3", use_sliding_window=True, sliding_window=8, layer_types=None)
+    spec = model_spec_from_config(config)  # layer 1 has no RoPE (no_rope_layers [1, 0])
+    assert spec.layer_types == ("full_attention", "sliding_attention")
+    assert [spec.window(i) for i in range(spec.num_layers)] == [0, 8]
+    spec = model_spec_from_config({**config, "use_sliding_window": False})
+    assert [spec.window(i) for i in range(spec.num_layers)] == [0, 0]
+
+
 def test_mistral_windows_every_layer_whatever_layer_types_says():
     spec = model_spec_from_config(_config("tiny-mistral", layer_types=["full_attention", "full_attention"]))
     assert [spec.window(i) for i in range(spec.num_layers)] == [16, 16]

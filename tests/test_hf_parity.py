@@ -92,7 +92,7 @@ def test_text_prompt_batch_matches_one_at_a_time(llama_engine):
 # Models whose attention or RoPE varies: per-layer windows (8 tokens on layer 1 only) and longrope
 # (short factors up to 64 tokens, long beyond). Prompts sit on both sides of the window and of
 # longrope's boundary, and 23 + 48 and 40 + 48 tokens cross the boundary while generating.
-VARIANTS = ("tiny-qwen2-swa", "tiny-phi3-longrope", "tiny-qwen3")
+VARIANTS = ("tiny-qwen2-swa", "tiny-phi3-longrope", "tiny-qwen3", "tiny-olmo2", "tiny-smollm3", "tiny-granite")
 VARIANT_PROMPT_LENS = (23, 9, 40, 100)
 
 

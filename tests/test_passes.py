@@ -60,7 +60,7 @@ def _passes(*names: str):
 
 def test_the_pipeline_is_one_phased_list_built_from_the_options():
     assert [(ph.name, [p.name for p in ph.passes]) for ph in phases(BuildOptions())] == [
-        ("canonicalize", ["cleanup", "native-gqa"]),
+        ("canonicalize", ["cleanup", "native-gqa", "lm-head-scale"]),
         ("fuse", ["merge-matmuls"]),
         ("quantize", []),
         ("rewrite KV I/O", ["paged-kv-cache", "logits-indices"]),
@@ -192,3 +192,14 @@ def test_attention_kernel_takes_every_layer_or_none(exported):
     refused = [m for m in result.misses if "every one or none is rewritten" in m]
     assert len(refused) == 1 and "attributes differ" in refused[0]
     assert not any(n.op_type == "PagedAttention" and n.domain == cpu.DOMAIN for n in model.graph)
+
+
+@needs_kernels
+def test_a_scaling_of_the_logits_is_folded_into_the_lm_head(engines):
+    """Granite divides its logits by logits_scaling: lm-head-scale folds that into the head's
+    weight, so the head is again what logits-indices and greedy-tokens take (tiny-granite's
+    tokens equal transformers' in test_hf_parity)."""
+    passes = {p.name: p for p in open_engine(engines("tiny-granite")).manifest.passes}
+    assert passes["lm-head-scale"].counts == {"logits_scale_folded": 1}
+    assert passes["logits-indices"].counts == {"lm_head_gather": 1}
+    assert passes["greedy-tokens"].counts == {"lm_head_argmax": 1}

@@ -15,15 +15,20 @@ from typing import Any
 from llmc.errors import ModelError, first_line
 from llmc.contract.model_spec import ModelSpec
 
-# HF architecture class -> family. Llama, Mistral, Qwen2, Qwen3 and Phi-3 share one structure
-# (pre-norm decoder, RMSNorm, RoPE, SwiGLU, GQA), so they share one code path; Qwen3's QK-norm (an
-# RMSNorm over each query and key head before RoPE) is in the exported graph and runs as its ops.
+# HF architecture class -> family. They share one structure (decoder, RMSNorm, RoPE, SwiGLU, GQA), so
+# they share one code path; what differs is in the exported graph and runs as its ops where no pass
+# fuses it: Qwen3's QK-norm (an RMSNorm over each query and key head before RoPE), OLMo 2's norms
+# after the attention and the MLP and over the whole Q and K projections, SmolLM3's layers without
+# RoPE (no_rope_layers), Granite's multipliers (its logits scaling: passes/lm_head_scale.py).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
+    "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
 }
 
 
@@ -79,7 +84,8 @@ def read_config(folder: Path) -> dict[str, Any]:
 # model_type -> architecture, for a config.json that names no architectures (transformers loads
 # those by model_type).
 _ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                         "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
 # RoPE types whose frequencies are fixed at build time, or made per row at export (longrope,
 # dynamic: see llmc.compiler.rope).
 # Architectures people run on CPUs that llmc does not build yet (model_type -> class, what each
@@ -89,9 +95,6 @@ MISSING_FEATURES = {
                "embedding scale"),
     "gemma3_text": ("Gemma3ForCausalLM", "per-layer RoPE bases, (1 + w) RMSNorm, sandwich norms and embedding scale"),
     "gemma3": ("Gemma3ForConditionalGeneration", "vision tower and Gemma 3's text features"),
-    "smollm3": ("SmolLM3ForCausalLM", "NoPE layers (no_rope_layers)"),
-    "olmo2": ("Olmo2ForCausalLM", "post-norms and QK-norm over the whole projection"),
-    "granite": ("GraniteForCausalLM", "embedding, residual, attention and logits multipliers"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "mixture-of-experts layers"),
     "mixtral": ("MixtralForCausalLM", "mixture-of-experts layers"),
     "gpt_oss": ("GptOssForCausalLM", "mixture-of-experts layers and attention sinks"),
@@ -103,6 +106,8 @@ MISSING_FEATURES = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Families whose config windows attention only with use_sliding_window, and then only some layers.
+WINDOW_SWITCHED = ("qwen2", "qwen3", "smollm3")
 
 
 def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
@@ -130,7 +135,7 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     window = config.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+    if family in WINDOW_SWITCHED and not config.get("use_sliding_window", False):
         window = None
     rope = config.get("rope_parameters") or {}
     rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -173,13 +178,17 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
 def _layer_types(config: dict[str, Any], family: str, window: int | None) -> tuple[str, ...]:
     """Which layers attend within the window, as transformers decides it; () when all layers do.
 
-    Of the supported families only Qwen2 mixes layer kinds (its first max_window_layers layers
-    attend in full); Mistral and Phi-3 window every layer and ignore layer_types."""
-    if not window or family not in ("qwen2", "qwen3"):
+    Qwen2 and Qwen3 (their first max_window_layers layers attend in full) and SmolLM3 (its layers
+    with RoPE do) mix layer kinds, behind use_sliding_window; Mistral and Phi-3 window every layer
+    and ignore layer_types."""
+    if not window or family not in WINDOW_SWITCHED:
         return ()
     layers = config["num_hidden_layers"]
     types = config.get("layer_types")
-    if types is None:
+    if types is None and family == "smollm3":  # SmolLM3Config: the layers without RoPE attend in the window
+        no_rope = config.get("no_rope_layers") or [1] * layers
+        types = ["full_attention" if uses_rope else "sliding_attention" for uses_rope in no_rope]
+    elif types is None:
         first_windowed = config.get("max_window_layers", 28)  # transformers' Qwen2Config default
         types = ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):

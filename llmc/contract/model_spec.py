@@ -15,7 +15,7 @@ LayerType = Literal["full_attention", "sliding_attention"]
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
+    family: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "olmo2" | "smollm3" | "granite"
     architecture: str  # the HF class name, e.g. "LlamaForCausalLM"
     num_layers: int
     hidden_size: int
