@@ -21,8 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from llmc.runtime.llm import LLM  # noqa: E402
 from llmc.runtime.sampling import SamplingParams  # noqa: E402
 
+# The generation prompt's thinking switch is Qwen3's (chat_template_kwargs {"enable_thinking": false}).
 TEMPLATE = ("{% for m in messages %}{{ '### ' + m['role'] + '\\n' + m['content'] + '\\n' }}{% endfor %}"
-            "{% if add_generation_prompt %}{{ '### assistant\\n' }}{% endif %}")
+            "{% if add_generation_prompt %}{{ '### assistant\\n' }}"
+            "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+            "{% endif %}{% endif %}")
 CODE = (("model_name", "code"),)  # the served model's labels in `_Server.metrics()` keys
 
 
@@ -171,6 +174,23 @@ def test_chat_uses_the_template_streamed_and_not(server, local):
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+
+
+def test_chat_template_kwargs_reach_the_template(server, local):
+    """A request's chat_template_kwargs (vLLM's extension: Qwen3's enable_thinking) are the
+    template's variables; one the server sets itself is a 400 naming it."""
+    client = _client(server)
+    messages = [{"role": "user", "content": "a loop"}]
+    rendered = "### user\na loop\n### assistant\n<think>\n\n</think>\n\n"
+    ids = local.tokenizer.encode(rendered, add_special_tokens=False).ids
+    expected = local.generate(ids, SamplingParams(max_tokens=8))
+    r = client.chat.completions.create(model="code", messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == expected.text
+    status, error, _ = server.post("/v1/chat/completions", json.dumps(
+        {"messages": messages, "max_tokens": 8, "chat_template_kwargs": {"messages": []}}))
+    assert status == 400 and error["error"]["param"] == "chat_template_kwargs"
+    assert "cannot set messages" in error["error"]["message"]
 
 
 @pytest.mark.parametrize("body,param,fragment", [

@@ -217,11 +217,12 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
                             "messages")
         llm = engine.llm
         render = functools.partial(server.template.prompt, llm, [m.model_dump(exclude_none=True)
-                                                                 for m in body.messages])
+                                                                 for m in body.messages], body.chat_template_kwargs)
         try:
             prompt = await tokenizing(render, sum(len(m.content or "") for m in body.messages))
         except RequestError as exc:
-            raise HttpError(400, str(exc), "messages") from None
+            param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
+            raise HttpError(400, str(exc), param) from None
         rid, streams = await server.start(body, [prompt], max(1, llm.max_context - len(prompt.ids)))
         return await _respond(server, request, body, rid, streams, chat=True)
 

@@ -6,7 +6,7 @@ runtime refuses later (a prompt over the context, a bad stop list) answers the s
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -118,6 +118,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)  # chat's newer name for max_tokens
     tools: list | None = None
     response_format: dict | None = None
+    # More variables for the chat template (vLLM's extension), e.g. Qwen3's {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def top_logprobs_wanted(self) -> int | None:
