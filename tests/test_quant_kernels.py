@@ -91,7 +91,7 @@ def test_quantized_matmul_matches_the_reference(bits, asymmetric, block):
 def _library():
     from llmc.plugins import cpu
 
-    return ctypes.CDLL(str(cpu.library_path()))
+    return cpu.native(cpu.library_path())
 
 
 @pytest.mark.parametrize("vnni", [0, 1], ids=["avx2", "vnni"])

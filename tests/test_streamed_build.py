@@ -204,9 +204,12 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_and_leaves_no_engine(tmp_pa
 def test_verify_is_refused_before_any_work_where_the_model_would_not_fit(tmp_path, monkeypatch):
     """--verify compares whole graphs in ONNX Runtime; a model whose copies would not fit in the
     memory available is refused in one line before the export, and leaves no engine."""
-    from llmc.compiler import build
+    import types
 
-    monkeypatch.setattr(build, "available_memory", lambda: 1 << 20)
+    import psutil
+
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=real.total, available=1 << 20))
     out = tmp_path / "engine"
     result = CliRunner().invoke(main, _build_args(_copy(tmp_path), out, "--verify"))
     assert result.exit_code == 2, result.output

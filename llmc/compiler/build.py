@@ -264,23 +264,14 @@ VERIFY_BYTES_PER_PARAMETER = 6 * 4
 def _check_verify_fits(spec: ModelSpec) -> None:
     """--verify compares whole graphs in ONNX Runtime: refuse it, before any work, for a model
     that would not fit in the memory this machine has free."""
-    need, free = spec.parameter_count() * VERIFY_BYTES_PER_PARAMETER, available_memory()
-    if free is not None and need > free:
+    import psutil
+
+    need, free = spec.parameter_count() * VERIFY_BYTES_PER_PARAMETER, psutil.virtual_memory().available
+    if need > free:
         raise LlmcError(f"--verify runs each pass's graph whole in ONNX Runtime, about {need / 2**30:.1f} GiB for "
                         f"this model's {spec.parameter_count() / 1e9:.2f} B parameters, and this machine has "
                         f"{free / 2**30:.1f} GiB available; build without --verify (the passes are verified on "
                         "small models by the test suite)")
-
-
-def available_memory() -> int | None:
-    """MemAvailable in bytes, or None where /proc/meminfo does not say."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _save_progress(say: Progress, expected_bytes: int):

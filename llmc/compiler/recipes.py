@@ -89,7 +89,7 @@ def load_recipe(name: str) -> dict:
     return json.loads(_recipe_path(name).read_text())
 
 
-def _cache_root(cache_dir: Path | None) -> Path:
+def cache_root(cache_dir: Path | None = None) -> Path:
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     if os.environ.get("LLMC_CACHE"):
@@ -114,7 +114,7 @@ def materialize(name: str, cache_dir: Path | None = None) -> Path:
     if name in trained_models():
         return RECIPES_DIR / name
     key = _cache_key(name)
-    final = _cache_root(cache_dir) / "recipes" / f"{name}-{key}"
+    final = cache_root(cache_dir) / "recipes" / f"{name}-{key}"
     if _is_complete(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

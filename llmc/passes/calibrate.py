@@ -43,35 +43,32 @@ def mean_square_inputs(model: ir.Model, windows: np.ndarray,
                 if v is not None:
                     last_read[v] = i
     # Per window, the values computed so far that a later segment reads.
-    live = [{io.INPUT_IDS: np.asarray(w, np.int64)[None, :],
-             io.POSITION_IDS: np.arange(len(w), dtype=np.int64)[None, :]} for w in windows]
-    by_name = {v.name: v for v in model.graph.inputs}
-    sums: dict[str, np.ndarray] = {}
+    ids, positions = (next(v for v in model.graph.inputs if v.name == name) for name in (io.INPUT_IDS, io.POSITION_IDS))
+    live = [{ids: np.asarray(w, np.int64)[None, :], positions: np.arange(len(w), dtype=np.int64)[None, :]}
+            for w in windows]
+    sums: dict[ir.Value, np.ndarray] = {}
     for i, nodes in enumerate(segments):
         produced = {v for node in nodes for v in node.outputs}
         inputs = [v for v in dict.fromkeys(v for node in nodes for v in node.inputs)
                   if v is not None and v not in produced and not _constant(v)]
         outputs = [v for v in produced if v in targets or last_read.get(v, -1) > i]
-        by_name.update((v.name, v) for v in outputs)
-        session, weights = _session(model, nodes, {v.name: live[0][v.name] for v in inputs}, outputs)
+        session, weights = _session(model, nodes, {v.name: live[0][v] for v in inputs}, outputs)
         for values in live:
             try:
-                results = session.run([v.name for v in outputs], {**{v.name: values[v.name] for v in inputs},
-                                                                  **weights})
+                results = session.run([v.name for v in outputs], {**{v.name: values[v] for v in inputs}, **weights})
             except Exception as exc:  # ORT's own failure, deep in its stack: say where, in one line
                 raise LlmcError(f"calibration failed in segment {i + 1} of {len(segments)} of the graph "
                                 f"({first_line(exc)}); build with --quant-method search, and report it") from None
+            values.update((v, x) for v, x in zip(outputs, results) if last_read.get(v, -1) > i)
             for v, x in zip(outputs, results):
-                if last_read.get(v, -1) > i:
-                    values[v.name] = x
                 if v in targets:
                     x = x.reshape(-1, x.shape[-1]).astype(np.float64)
-                    sums[v.name] = sums.get(v.name, 0) + (x * x).sum(axis=0)
-            for name in [n for n in values if last_read.get(by_name[n], -1) <= i]:
-                del values[name]
+                    sums[v] = sums.get(v, 0) + (x * x).sum(axis=0)
+            for v in [v for v in values if last_read.get(v, -1) <= i]:
+                del values[v]
         del session, weights
     count = max(1, sum(len(w) for w in windows))
-    return {node: (sums[x.name] / count).astype(np.float32) for node, x in watched.items()}
+    return {node: (sums[x] / count).astype(np.float32) for node, x in watched.items()}
 
 
 def _constant(value: ir.Value) -> bool:

@@ -146,8 +146,10 @@ def _quantize_native(native, w, bits, block_size, method, importance) -> Quantiz
 def _native_for(path) -> object | None:
     import ctypes
 
+    from llmc.plugins.cpu import native
+
     try:
-        fn = ctypes.CDLL(str(path)).llmc_quantize_symmetric
+        fn = native(path).llmc_quantize_symmetric
     except (OSError, AttributeError):  # a library from before the quantizer was in it
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

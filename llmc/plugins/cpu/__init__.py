@@ -11,6 +11,7 @@ The ops and their inputs are documented in kernels.h.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -39,6 +40,15 @@ def library_path() -> Path | None:
         return Path(override) if override and Path(override).is_file() else None
     found = sorted(Path(__file__).parent.glob("_cpu_ops*.so"))
     return found[-1] if found else None
+
+
+@functools.cache
+def native(path: Path):
+    """The library at `path` loaded for ctypes calls (the build's quantizer, the host's tile probes):
+    the same loaded object ORT's sessions use."""
+    import ctypes
+
+    return ctypes.CDLL(str(path))
 
 
 def register(session_options) -> None:

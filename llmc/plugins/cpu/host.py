@@ -1,13 +1,14 @@
 """The kernel choices of this host, measured here rather than ruled once for every CPU.
 
 Hosts differ in what bounds a decode step's products: on one the weights stream at the memory's
-rate through any tile, on another the tile's instructions per weight byte decide (docs/quantization.md).
-Two choices are measured per weight format: which tile a decode step (1-2 rows) takes for the
-quantized formats, AVX-512 VNNI or AVX2 (llmc_probe_quant), and which the 16-bit formats take,
-AVX-512 or AVX2 (llmc_probe_16bit; the same sums to the bit either way). The probes time both
-tiles on a weight larger than the caches, on one thread, and the faster wins. The result is kept per host (CPU model and ISA flags) and per build
-of the kernel library, under the llmc cache (LLMC_CACHE or ~/.cache/llmc), so the probe runs once
-per host, and the choice is set in the library before any session of the process runs its ops.
+rate through any tile, on another the tile's instructions per weight byte decide
+(docs/quantization.md). Two choices are measured per weight format: which tile a decode step (1-2
+rows) takes for the quantized formats, AVX-512 VNNI or AVX2 (llmc_probe_quant), and which the
+16-bit formats take, AVX-512 or AVX2 (llmc_probe_16bit; the same sums to the bit either way). The
+probes time both tiles on a weight larger than the caches, on one thread, and the faster wins. The
+result is kept per host (CPU model and ISA flags) and per build of the kernel library, under the
+llmc cache (LLMC_CACHE or ~/.cache/llmc), so the probe runs once per host, and the choice is set in
+the library before any session of the process runs its ops.
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ def host() -> dict:
 
 def choices_path(library: Path, cache_dir: Path | None = None) -> Path:
     """Where this host's choices for this build of the library are kept."""
-    from llmc.compiler.recipes import _cache_root
+    from llmc.compiler.recipes import cache_root
 
     stat = library.stat()
     key = json.dumps([host(), library.name, stat.st_size, stat.st_mtime_ns, VERSION])
-    return _cache_root(cache_dir) / "hosts" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return cache_root(cache_dir) / "hosts" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def measure(lib: ctypes.CDLL) -> dict:
@@ -104,7 +105,9 @@ def use_measured_kernels(library: Path) -> dict:
     """Set this host's measured tiles in `library` (ORT's copy of it: the same loaded object),
     measuring them first where no earlier process of this host did. Returns what was set:
     {format: {"tile": ..., "seconds": {tile: ...}}}."""
-    lib = ctypes.CDLL(str(library))
+    from llmc.plugins.cpu import native
+
+    lib = native(library)
     if not hasattr(lib, "llmc_probe_16bit"):  # a library from before the probes
         return {}
     path = choices_path(library)
