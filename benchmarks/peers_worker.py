@@ -629,11 +629,34 @@ def convert_gguf(args) -> None:
                 and not step.get("add_prefix_space", False))
 
     TextModel.get_vocab_base_pre = get_vocab_base_pre
+    keep_embedding_rows(src)
     sys.argv = ["convert_hf_to_gguf.py", args.src, "--outfile", args.out, "--outtype", args.outtype,
                 *args.extra]
     import runpy
 
     runpy.run_path(os.path.join(src, "convert_hf_to_gguf.py"), run_name="__main__")
+
+
+def keep_embedding_rows(src: str) -> None:
+    """The second workaround, for Gemma 3 only: its converter cuts the embedding to the
+    tokenizer's token count (the rows past it are unused padding in Google's checkpoints). With
+    llmc's 1024-token tokenizer standing in for the real one, that would turn a 262k-token model
+    into a 1024-token one, whose LM head reads 256x fewer bytes than llmc's engine of the same
+    checkpoint. Without a tokenizer.model (the case the GPT-2 vocabulary path handles, which pads
+    the vocabulary to vocab_size as for every other family) the rows are kept."""
+    sys.path.insert(0, src)
+    from conversion.base import TextModel
+    from conversion.gemma import Gemma3Model
+
+    original = Gemma3Model.modify_tensors
+
+    def modify_tensors(self, data_torch, name, bid):
+        if "embed_tokens.weight" in name and not (self.dir_model / "tokenizer.model").is_file():
+            yield from TextModel.modify_tensors(self, data_torch, name, bid)  # no norm shift: not a norm
+            return
+        yield from original(self, data_torch, name, bid)
+
+    Gemma3Model.modify_tensors = modify_tensors
 
 
 # llama_ftype names of llama.cpp's include/llama.h (LLAMA_FTYPE_MOSTLY_*), as peers.py spells them.

@@ -16,7 +16,7 @@ import pytest
 from llmc.plugins import cpu
 
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-phi3", "tiny-qwen3", "tiny-olmo2", "tiny-smollm3",
-            "tiny-granite")
+            "tiny-granite", "tiny-gemma2", "tiny-gemma3")
 BLOCK_SIZE = 4
 MAX_CONTEXT = 256
 # For tests of llmc's CPU kernels: CI's install compiles them, so there they always run.
@@ -94,16 +94,22 @@ def engines(tmp_path_factory) -> _Engines:
 
 @pytest.fixture(scope="session")
 def hf_models():
-    """`hf_models("tiny-llama")` -> (HF model in eval mode, folder), loaded once per session."""
+    """`hf_models("tiny-llama")` -> (HF model in eval mode, with transformers' eager attention,
+    folder), loaded once per session."""
     cache: dict = {}
 
     def get(recipe: str):
         if recipe not in cache:
-            from llmc.compiler.frontend import load_hf_model
+            import torch
+            from transformers import AutoModelForCausalLM
+
             from llmc.compiler.recipes import materialize
 
+            # transformers' own eager attention: the reference is never llmc's code (the build may
+            # trace a family through llmc's attention op, compiler/attention.py).
             folder = materialize(recipe)
-            cache[recipe] = (load_hf_model(folder), folder)
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+            cache[recipe] = (hf.eval(), folder)
         return cache[recipe]
 
     return get

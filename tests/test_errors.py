@@ -59,7 +59,7 @@ def test_unsupported_architecture(tmp_path):
 
 
 @pytest.mark.parametrize("config, lacks", [
-    ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}, "attention and final logit softcaps"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "vision tower"),
     ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}, "multi-head latent attention"),
     ({"model_type": "falcon_h1"}, "state-space (Mamba-2) layers"),
     ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "mixture-of-experts layers"),

@@ -51,6 +51,33 @@ def test_smollm3_windows_its_layers_without_rope_and_only_with_use_sliding_windo
     assert [spec.window(i) for i in range(spec.num_layers)] == [0, 0]
 
 
+@pytest.mark.parametrize("recipe, hub_keys", [
+    # Gemma 2 as the hub ships it: no layer_types (alternating), rope_theta at the top.
+    ("tiny-gemma2", dict(num_hidden_layers=5, layer_types=None, rope_parameters=None, rope_theta=20000.0)),
+    # Gemma 3: sliding_window_pattern, and the global / local bases and scaling as older configs hold them.
+    ("tiny-gemma3", dict(num_hidden_layers=7, layer_types=None, rope_parameters=None, sliding_window_pattern=3,
+                         rope_theta=500000.0, rope_local_base_freq=5000.0,
+                         rope_scaling={"rope_type": "linear", "factor": 4.0})),
+])
+def test_gemma_configs_read_as_transformers_reads_them(recipe, hub_keys):
+    from transformers import AutoConfig
+
+    config = _config(recipe, **hub_keys)
+    spec = model_spec_from_config(config)
+    hf = AutoConfig.for_model(**config)
+    assert spec.layer_types == tuple(hf.layer_types) and "full_attention" in spec.layer_types
+    rope = hf.rope_parameters
+    if recipe == "tiny-gemma3":
+        assert spec.rope_local_theta == rope["sliding_attention"]["rope_theta"] == 5000.0
+        assert rope["sliding_attention"]["rope_type"] == "default"
+        rope = rope["full_attention"]
+        assert spec.rope_scaling["factor"] == rope["factor"] == 4.0
+    assert spec.rope_theta == rope["rope_theta"] == hub_keys["rope_theta"]
+    assert spec.activation == "gelu_pytorch_tanh"
+    with pytest.raises(ModelError, match="use_bidirectional_attention .*builds causal language models"):
+        model_spec_from_config({**config, "use_bidirectional_attention": True})
+
+
 def test_mistral_windows_every_layer_whatever_layer_types_says():
     spec = model_spec_from_config(_config("tiny-mistral", layer_types=["full_attention", "full_attention"]))
     assert [spec.window(i) for i in range(spec.num_layers)] == [16, 16]

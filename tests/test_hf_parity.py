@@ -92,7 +92,8 @@ def test_text_prompt_batch_matches_one_at_a_time(llama_engine):
 # Models whose attention or RoPE varies: per-layer windows (8 tokens on layer 1 only) and longrope
 # (short factors up to 64 tokens, long beyond). Prompts sit on both sides of the window and of
 # longrope's boundary, and 23 + 48 and 40 + 48 tokens cross the boundary while generating.
-VARIANTS = ("tiny-qwen2-swa", "tiny-phi3-longrope", "tiny-qwen3", "tiny-olmo2", "tiny-smollm3", "tiny-granite")
+VARIANTS = ("tiny-qwen2-swa", "tiny-phi3-longrope", "tiny-qwen3", "tiny-olmo2", "tiny-smollm3", "tiny-granite",
+            "tiny-gemma2", "tiny-gemma3")
 VARIANT_PROMPT_LENS = (23, 9, 40, 100)
 
 
@@ -118,3 +119,27 @@ def test_layer_and_rope_variants_match_hf_alone_and_batched(recipe, engines, hf_
         assert batched == refs, options
         assert alone == refs, options
         assert llm.blocks.num_free == llm.blocks.capacity
+
+
+@pytest.mark.parametrize("recipe", VARIANTS)
+def test_prefix_cache_hits_and_preemption_match_hf(recipe, engines, hf_models):
+    """A prompt whose first 36 tokens (past every window) are cached by an earlier one, and three
+    requests in a pool too small for them, preempted and recomputed: transformers' tokens still."""
+    hf, _ = hf_models(recipe)
+    rng = np.random.default_rng(4)
+    shared = rng.integers(3, 1024, 36).tolist()
+    prompts = [shared + rng.integers(3, 1024, n).tolist() for n in (5, 11, 3)]
+    refs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            refs.append(hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist())
+    params = SamplingParams(max_tokens=24)
+    llm = LLM(engines(recipe), enable_prefix_caching=True)
+    outputs = [llm.generate(p, params) for p in prompts]
+    assert [o.token_ids for o in outputs] == refs
+    assert all(o.prefix_hit_tokens >= 36 - BLOCK_SIZE for o in outputs[1:])
+    small = LLM(engines(recipe), enable_prefix_caching=False, kv_cache_blocks=30, max_num_batched_tokens=24,
+                chunk_size=16)
+    assert [o.token_ids for o in small.generate(prompts, params)] == refs
+    assert small.scheduler.num_preemptions > 0
+    assert small.blocks.num_free == small.blocks.capacity

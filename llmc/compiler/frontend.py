@@ -19,7 +19,9 @@ from llmc.contract.model_spec import ModelSpec
 # they share one code path; what differs is in the exported graph and runs as its ops where no pass
 # fuses it: Qwen3's QK-norm (an RMSNorm over each query and key head before RoPE), OLMo 2's norms
 # after the attention and the MLP and over the whole Q and K projections, SmolLM3's layers without
-# RoPE (no_rope_layers), Granite's multipliers (its logits scaling: passes/lm_head_scale.py).
+# RoPE (no_rope_layers), Granite's multipliers (its logits scaling: passes/lm_head_scale.py), Gemma's
+# (1 + w) norms around each block, embedding scale, softcaps (compiler/attention.py; the final one:
+# passes/logits_softcap.py) and per-layer RoPE bases.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -29,6 +31,8 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 
@@ -85,16 +89,14 @@ def read_config(folder: Path) -> dict[str, Any]:
 # those by model_type).
 _ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                         "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
+                         "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
+                         "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # RoPE types whose frequencies are fixed at build time, or made per row at export (longrope,
 # dynamic: see llmc.compiler.rope).
 # Architectures people run on CPUs that llmc does not build yet (model_type -> class, what each
 # needs beyond the shared structure; docs/families.md): the refusal names it.
 MISSING_FEATURES = {
-    "gemma2": ("Gemma2ForCausalLM", "attention and final logit softcaps, (1 + w) RMSNorm, sandwich norms and "
-               "embedding scale"),
-    "gemma3_text": ("Gemma3ForCausalLM", "per-layer RoPE bases, (1 + w) RMSNorm, sandwich norms and embedding scale"),
-    "gemma3": ("Gemma3ForConditionalGeneration", "vision tower and Gemma 3's text features"),
+    "gemma3": ("Gemma3ForConditionalGeneration", "vision tower (its text model alone, Gemma3ForCausalLM, builds)"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "mixture-of-experts layers"),
     "mixtral": ("MixtralForCausalLM", "mixture-of-experts layers"),
     "gpt_oss": ("GptOssForCausalLM", "mixture-of-experts layers and attention sinks"),
@@ -108,6 +110,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dyna
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Families whose config windows attention only with use_sliding_window, and then only some layers.
 WINDOW_SWITCHED = ("qwen2", "qwen3", "smollm3")
+# Families that window every layer but the n-th of each n (transformers derives their layer_types
+# so when a config has none: Gemma 2 alternates, Gemma 3 has sliding_window_pattern, default 6).
+WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 
 
 def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
@@ -137,21 +142,10 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     window = config.get("sliding_window")
     if family in WINDOW_SWITCHED and not config.get("use_sliding_window", False):
         window = None
-    rope = config.get("rope_parameters") or {}
-    rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-    rope_scaling = config.get("rope_scaling")
-    if rope_scaling is None and rope.get("rope_type", "default") != "default":
-        rope_scaling = rope
-    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelError(f"rope type {rope_type!r} is not supported; llmc supports {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if rope_type == "longrope":  # older Phi-3 configs keep the boundary beside rope_scaling
-        boundary = rope_scaling.get("original_max_position_embeddings",
-                                    config.get("original_max_position_embeddings"))
-        if not isinstance(boundary, int) or boundary < 1:
-            raise ModelError("a longrope config needs original_max_position_embeddings (a positive integer); "
-                             "fix config.json")
-        rope_scaling = {**rope_scaling, "original_max_position_embeddings": boundary}
+    if config.get("use_bidirectional_attention"):
+        raise ModelError("config.json sets use_bidirectional_attention (an embedding model, not a decoder); "
+                         "llmc builds causal language models")
+    rope_theta, rope_scaling, local_theta = _rope(config, family)
     return ModelSpec(
         family=family,
         architecture=arch,
@@ -163,29 +157,71 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
         intermediate_size=config["intermediate_size"],
         vocab_size=config["vocab_size"],
         max_position_embeddings=config.get("max_position_embeddings", 2048),
-        rope_theta=float(rope_theta),
+        rope_theta=rope_theta,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        activation=config.get("hidden_act", "silu"),
+        activation=config.get("hidden_activation") or config.get("hidden_act", "silu"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,
         sliding_window=int(window) if window else None,
         layer_types=_layer_types(config, family, window),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        rope_local_theta=local_theta,
+        attn_logit_softcap=float(config.get("attn_logit_softcapping") or 0.0),
+        final_logit_softcap=float(config.get("final_logit_softcapping") or 0.0),
     )
+
+
+def _rope(config: dict[str, Any], family: str) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(base, scaling, the sliding layers' base where it differs): from rope_parameters as
+    transformers 5 writes it (nested by layer type for Gemma 3), or rope_theta / rope_scaling /
+    rope_local_base_freq as older checkpoints hold them."""
+    params = config.get("rope_parameters") or {}
+    local_theta = None
+    if family == "gemma3":  # Gemma3TextConfig's defaults: global base 1M, local 10k
+        if "full_attention" in params or "sliding_attention" in params:
+            local = params.get("sliding_attention") or {}
+            params = {"rope_theta": 1000000.0, **(params.get("full_attention") or {})}
+            _check_rope_type(local.get("rope_type", "default"))
+            local_theta = float(local.get("rope_theta", 10000.0))
+        else:
+            local_theta = float(config.get("rope_local_base_freq", 10000.0))
+            params = {"rope_theta": config.get("rope_theta", 1000000.0), **(config.get("rope_scaling") or {})}
+    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = config.get("rope_scaling")
+    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
+        scaling = params
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    _check_rope_type(kind)
+    if kind == "longrope":  # older Phi-3 configs keep the boundary beside rope_scaling
+        boundary = scaling.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+        if not isinstance(boundary, int) or boundary < 1:
+            raise ModelError("a longrope config needs original_max_position_embeddings (a positive integer); "
+                             "fix config.json")
+        scaling = {**scaling, "original_max_position_embeddings": boundary}
+    return float(theta), scaling, local_theta
+
+
+def _check_rope_type(kind: str) -> None:
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ModelError(f"rope type {kind!r} is not supported; llmc supports {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
 def _layer_types(config: dict[str, Any], family: str, window: int | None) -> tuple[str, ...]:
     """Which layers attend within the window, as transformers decides it; () when all layers do.
 
     Qwen2 and Qwen3 (their first max_window_layers layers attend in full) and SmolLM3 (its layers
-    with RoPE do) mix layer kinds, behind use_sliding_window; Mistral and Phi-3 window every layer
-    and ignore layer_types."""
-    if not window or family not in WINDOW_SWITCHED:
+    with RoPE do) mix layer kinds, behind use_sliding_window; Gemma 2 and 3 always do (one layer
+    in WINDOW_PATTERN's attends in full); Mistral and Phi-3 window every layer and ignore
+    layer_types."""
+    if not window or family not in WINDOW_SWITCHED + tuple(WINDOW_PATTERN):
         return ()
     layers = config["num_hidden_layers"]
     types = config.get("layer_types")
-    if types is None and family == "smollm3":  # SmolLM3Config: the layers without RoPE attend in the window
+    if types is None and family in WINDOW_PATTERN:
+        every = config.get("sliding_window_pattern", WINDOW_PATTERN[family])
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
+    elif types is None and family == "smollm3":  # SmolLM3Config: the layers without RoPE attend in the window
         no_rope = config.get("no_rope_layers") or [1] * layers
         types = ["full_attention" if uses_rope else "sliding_attention" for uses_rope in no_rope]
     elif types is None:
@@ -274,7 +310,8 @@ def skeleton_model(folder: Path):
             warnings.simplefilter("ignore")
             config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
             torch.nn.Module.register_parameter = on_meta
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation=_attention_for(config))
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise ModelError(f"transformers cannot build the model of {folder / 'config.json'}: {first_line(exc)}; "
                          "fix config.json") from None
@@ -293,18 +330,30 @@ def skeleton_model(folder: Path):
     return model.eval()
 
 
+def _attention_for(config) -> str:
+    """SDPA, which the exporter writes as ONNX Attention, where the family's code takes it; else
+    llmc's own (compiler/attention.py: Gemma 2, whose softcap SDPA lacks)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from llmc.compiler import attention
+
+    return attention.implementation_for(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
+
+
 def load_hf_model(folder: Path):
     """Load the checkpoint in fp32 with the SDPA attention the exporter turns into ONNX Attention."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()  # llmc's own progress reports stages
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's unpickler warns about protocols, not about safety
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
             model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=False
+                folder, config=config, dtype=torch.float32, attn_implementation=_attention_for(config),
+                trust_remote_code=False
             )
     except pickle.UnpicklingError:
         # transformers reads .bin files with torch.load(weights_only=True), which refuses anything

@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from llmc.contract.codec import added
+
 LayerType = Literal["full_attention", "sliding_attention"]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "olmo2" | "smollm3" | "granite"
+    family: str  # a value of llmc.compiler.frontend.SUPPORTED_ARCHITECTURES, e.g. "llama", "gemma3"
     architecture: str  # the HF class name, e.g. "LlamaForCausalLM"
     num_layers: int
     hidden_size: int
@@ -36,6 +38,12 @@ class ModelSpec:
     layer_types: tuple[LayerType, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 3's sliding layers rotate with their own base (rope_theta and rope_scaling are the
+    # full-attention layers'); None: every layer rotates alike.
+    rope_local_theta: float | None = added(None)
+    # tanh caps, 0 when none: on the attention scores (Gemma 2), on the logits (Gemma 2).
+    attn_logit_softcap: float = added(0.0)
+    final_logit_softcap: float = added(0.0)
 
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:

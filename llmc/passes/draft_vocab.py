@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from llmc.contract import graph_io as io
 from llmc.contract.model_spec import ModelSpec
+from llmc.passes.graph import is_lm_head_output
 from llmc.passes.quantize_weights import matmul_weight
 from llmc.passes.rewrite import Rule, RulePass
 
@@ -33,7 +33,7 @@ class NarrowLMHead(Rule):
 
     def match(self, node):
         m = super().match(node)
-        return m if m is not None and m.outputs[0].is_graph_output() and m.outputs[0].name == io.LOGITS else None
+        return m if m is not None and is_lm_head_output(m.outputs[0]) else None
 
     def check(self, m):
         w = matmul_weight(m.w)

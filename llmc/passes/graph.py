@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from llmc.contract import graph_io as io
 from llmc.passes import lazy
 
 ONNX_DOMAINS = ("", "ai.onnx")
@@ -77,6 +78,36 @@ def shared_rotary(q: ir.Value, k: ir.Value) -> str | None:
         if rotary_attrs(rope_q) != rotary_attrs(rope_k):
             return "Q and K's RotaryEmbedding attributes differ"
     return None
+
+
+# What may lie between the LM head and the logits output: Gemma 2's final softcap, c * tanh(x / c).
+# Each is increasing elementwise (a positive scalar constant), so the head's rows and argmax are
+# the logits' rows and argmax.
+_SOFTCAP_OPS = ("Div", "Mul", "Tanh")
+
+
+def logits_tail(value: ir.Value) -> list[ir.Node] | None:
+    """The nodes from `value` to the graph's logits output when `value` is the logits or the final
+    softcap's input ([] for the logits themselves), else None."""
+    tail = []
+    while not (value.is_graph_output() and value.name == io.LOGITS):
+        uses = value.uses()
+        if value.is_graph_output() or len(uses) != 1:
+            return None
+        node = uses[0].node
+        if node.op_type not in _SOFTCAP_OPS or node.domain not in ONNX_DOMAINS or node.inputs[0] is not value:
+            return None
+        if node.op_type != "Tanh":
+            c = node.inputs[1].const_value if len(node.inputs) == 2 and node.inputs[1] is not None else None
+            if c is None or node.inputs[1].producer() is not None or c.size != 1 or not c.numpy().item() > 0:
+                return None
+        tail.append(node)
+        value = node.outputs[0]
+    return tail
+
+
+def is_lm_head_output(value: ir.Value) -> bool:
+    return logits_tail(value) is not None
 
 
 def count_nodes(model: ir.Model) -> int:

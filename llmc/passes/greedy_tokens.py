@@ -6,7 +6,9 @@ op reduces the panels' maxima once the product is done. The runtime's greedy row
 from there instead of scanning the [N, V] logits after the step: those were written by every
 core and are out of the reading core's cache, so the scan cost a measurable share of a batch-1
 step (docs/attention_cpu.md). Ties and NaNs rank as numpy's argmax ranks them. The logits are
-still returned: sampled rows, logprobs and speculative verification read them.
+still returned: sampled rows, logprobs and speculative verification read them. Behind a final
+softcap (increasing) the head's argmax is the logits' own, save where the cap's tanh rounds two
+distinct logits to one float: there the larger wins, not the lower id.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import onnx_ir as ir
 from llmc.contract import graph_io as io
 from llmc.contract.model_spec import ModelSpec
 from llmc.passes.cpu_kernels import kernel_library_missing
+from llmc.passes.graph import is_lm_head_output
 from llmc.passes.rewrite import Rule, RulePass
 from llmc.plugins import cpu
 
@@ -28,8 +31,7 @@ class LMHeadArgmax(Rule):
 
     def match(self, node):
         m = super().match(node)
-        logits = m.outputs[0] if m is not None else None
-        return m if logits is not None and logits.is_graph_output() and logits.name == io.LOGITS else None
+        return m if m is not None and is_lm_head_output(m.outputs[0]) else None
 
     def check(self, m):
         if len(m.head.outputs) > 1:

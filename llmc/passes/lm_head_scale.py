@@ -1,5 +1,5 @@
-"""lm-head-scale: a constant scalar applied to the logits (Granite's `logits / logits_scaling`)
-becomes part of the LM head's weight.
+"""lm-head-scale: a constant scalar applied to the logits (Granite's `logits / logits_scaling`,
+the division that opens Gemma 2's final softcap) becomes part of the LM head's weight.
 
 h W / c = h (W / c): the head is again the MatMul that writes `logits`, which is what
 logits-indices, quantize-weights (the LM head's format), draft-vocab and greedy-tokens look for.
@@ -14,10 +14,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from llmc.contract import graph_io as io
 from llmc.contract.model_spec import ModelSpec
 from llmc.passes import lazy
-from llmc.passes.graph import ONNX_DOMAINS
+from llmc.passes.graph import ONNX_DOMAINS, is_lm_head_output
 from llmc.passes.rewrite import Rule, RulePass
 
 
@@ -32,8 +31,7 @@ class ScaleIntoLMHead(Rule):
 
     def match(self, node):
         m = super().match(node)
-        logits = m.outputs[0] if m is not None else None
-        return m if logits is not None and logits.is_graph_output() and logits.name == io.LOGITS else None
+        return m if m is not None and is_lm_head_output(m.outputs[0]) else None
 
     def check(self, m):
         from llmc.passes.quantize_weights import matmul_tensor

@@ -5,7 +5,8 @@ names the tokens it wants in `logits_indices` [N], flat indices into its [B*S] t
 (llmc.contract.graph_io); the final hidden state [B, S, H] is flattened to [B*S, H], those N
 rows are gathered, and the LM head MatMul turns them into `logits` [N, V]. One graph serves a
 decode or prefill step (each row's last token), scoring (every position) and speculative
-verification (k+1 positions of a row), at a head cost proportional to N.
+verification (k+1 positions of a row), at a head cost proportional to N. A final softcap after the
+head (Gemma 2) is elementwise: it runs on the N rows as it is.
 """
 
 from __future__ import annotations
@@ -14,13 +15,9 @@ import onnx_ir as ir
 
 from llmc.contract import graph_io as io
 from llmc.contract.model_spec import ModelSpec
-from llmc.passes.graph import graph_input
+from llmc.passes.graph import graph_input, is_lm_head_output, logits_tail
 from llmc.passes.paged_kv_cache import contract_input_order
 from llmc.passes.rewrite import Rule, RulePass
-
-
-def _logits(graph: ir.Graph) -> ir.Value | None:
-    return next((v for v in graph.outputs if v.name == io.LOGITS), None)
 
 
 class GatherBeforeLMHead(Rule):
@@ -31,7 +28,7 @@ class GatherBeforeLMHead(Rule):
 
     def match(self, node):
         m = super().match(node)
-        return m if m is not None and m.outputs[0] is _logits(node.graph) else None
+        return m if m is not None and is_lm_head_output(m.outputs[0]) else None
 
     def check(self, m):
         shape = m.hidden.shape
@@ -48,6 +45,8 @@ class GatherBeforeLMHead(Rule):
         logits = op.MatMul(picked, m.w)
         old = m.outputs[0].shape
         logits.shape = ir.Shape([io.NUM_LOGITS, old[2]]) if old is not None else None
+        for node in logits_tail(m.outputs[0]):  # a final softcap's values are [N, V] now too
+            node.outputs[0].shape = logits.shape
         return logits
 
 
@@ -59,8 +58,10 @@ class LogitsIndices(RulePass):
     def requires(self, model: ir.Model, spec: ModelSpec) -> str | None:
         if graph_input(model.graph, io.QUERY_LENS) is None:
             return "the graph has no query_lens input; run paged-kv-cache first"
-        logits = _logits(model.graph)
+        logits = next((v for v in model.graph.outputs if v.name == io.LOGITS), None)
         head = logits.producer() if logits is not None else None
+        while head is not None and head.op_type != "MatMul" and logits_tail(head.inputs[0]) is not None:
+            head = head.inputs[0].producer()  # back through a final softcap
         if head is None or head.op_type != "MatMul":
             return f"logits come from {head.op_type if head else 'no node'}, expected the LM head MatMul"
         if logits.shape is not None and len(logits.shape) != 3:

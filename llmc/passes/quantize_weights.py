@@ -24,7 +24,7 @@ from llmc.contract import graph_io as io
 from llmc.contract.model_spec import ModelSpec
 from llmc.contract.options import QUANT_BITS, BuildOptions
 from llmc.passes import lazy
-from llmc.passes.graph import perm, producer, tensor, weight
+from llmc.passes.graph import is_lm_head_output, perm, producer, tensor, weight
 from llmc.passes.manager import PassResult
 from llmc.passes.quantizers import QuantizedWeight, quantize
 from llmc.passes.rewrite import Rule, RulePass
@@ -157,7 +157,7 @@ class QuantizeMatMul(Rule):
         return m if m is not None and self._format(m) != "fp32" else None
 
     def _role(self, m) -> str:
-        return "lm_head" if m.outputs[0].is_graph_output() and m.outputs[0].name == io.LOGITS else "body"
+        return "lm_head" if is_lm_head_output(m.outputs[0]) else "body"
 
     def _format(self, m) -> str:
         return self.quantizer.options.format_of(self._role(m))

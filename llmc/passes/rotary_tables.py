@@ -7,6 +7,8 @@ Runtime several microseconds cold (docs/quantization.md). Their values depend on
 alone, so the pass evaluates that subgraph once over every position of the engine's context, with
 ONNX Runtime's own kernels (the same float32 values the graph computes, bit for bit), and hands
 `llmc.cpu::PagedAttention` the tables and `position_ids`: the op reads row positions[b, j].
+Each distinct cos/sin pair gets its own tables (Gemma 3 rotates its local and global layers
+with two RoPE bases).
 
 It stands aside where the angles are not a function of one position alone (longrope picks its
 factors from the longest position of the row): the tables are checked against the subgraph run on
@@ -109,32 +111,38 @@ class RotaryTables(Pass):
     def apply(self, model: ir.Model, spec: ModelSpec) -> PassResult:
         attention = [n for n in model.graph if n.domain == cpu.DOMAIN and n.op_type == "PagedAttention"
                      and len(n.inputs) > SIN and n.inputs[COS] is not None and len(n.inputs) <= POSITIONS]
-        angles = {(n.inputs[COS], n.inputs[SIN]) for n in attention}
-        if len(angles) != 1:
-            return PassResult(False, {}, [f"{len(angles)} distinct cos/sin pairs among the attention ops, not one"])
-        (cos, sin), = angles
-        source = graph_input(model.graph, io.POSITION_IDS)
-        nodes = _cone([cos, sin], source)
-        if isinstance(nodes, str):
-            return PassResult(False, {}, [nodes])
-        evaluate = _evaluator(nodes, source, [cos, sin], dict(model.opset_imports))
-        tables = _tables(evaluate, self.max_context, spec.head_dim)
-        if isinstance(tables, str):
-            return PassResult(False, {}, [tables])
-        values = []
-        for name, table in zip(("rotary.cos_table", "rotary.sin_table"), tables):
-            value = ir.Value(name=name, shape=ir.Shape(table.shape), type=ir.TensorType(ir.DataType.FLOAT),
-                             const_value=ir.tensor(table, name=name))
-            model.graph.register_initializer(value)
-            values.append(value)
+        pairs: dict[tuple[ir.Value, ir.Value], list[ir.Node]] = {}  # one per RoPE base (Gemma 3 has two)
         for node in attention:
-            node.replace_input_with(COS, values[0])
-            node.replace_input_with(SIN, values[1])
-            node.resize_inputs(POSITIONS + 1)
-            node.replace_input_with(POSITIONS, source)
-        removed = 0
-        for node in reversed(nodes):  # the angle ops now read by nothing (one may feed something else too)
-            if all(not v.uses() and not v.is_graph_output() for v in node.outputs):
-                model.graph.remove(node, safe=True)
-                removed += 1
-        return PassResult(True, {"tables": len(attention), "angle_ops_removed": removed})
+            pairs.setdefault((node.inputs[COS], node.inputs[SIN]), []).append(node)
+        source = graph_input(model.graph, io.POSITION_IDS)
+        misses, tabled, removed = [], 0, 0
+        for index, ((cos, sin), users) in enumerate(pairs.items()):
+            nodes = _cone([cos, sin], source)
+            if isinstance(nodes, str):
+                misses.append(nodes)
+                continue
+            tables = _tables(_evaluator(nodes, source, [cos, sin], dict(model.opset_imports)),
+                             self.max_context, spec.head_dim)
+            if isinstance(tables, str):
+                misses.append(tables)
+                continue
+            prefix = "rotary" if len(pairs) == 1 else f"rotary.{index}"
+            values = []
+            for name, table in zip((f"{prefix}.cos_table", f"{prefix}.sin_table"), tables):
+                value = ir.Value(name=name, shape=ir.Shape(table.shape), type=ir.TensorType(ir.DataType.FLOAT),
+                                 const_value=ir.tensor(table, name=name))
+                model.graph.register_initializer(value)
+                values.append(value)
+            for node in users:
+                node.replace_input_with(COS, values[0])
+                node.replace_input_with(SIN, values[1])
+                node.resize_inputs(POSITIONS + 1)
+                node.replace_input_with(POSITIONS, source)
+            tabled += len(users)
+            for node in reversed(nodes):  # the angle ops now read by nothing (one may feed something else too)
+                if all(not v.uses() and not v.is_graph_output() for v in node.outputs):
+                    model.graph.remove(node, safe=True)
+                    removed += 1
+        if not tabled:
+            return PassResult(False, {}, misses)
+        return PassResult(True, {"tables": tabled, "angle_ops_removed": removed}, misses)
