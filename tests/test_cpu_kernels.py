@@ -105,6 +105,10 @@ CASES = {
                                                block=16, window=33, softcap=1.5),
     "prefill-head-dim-256-window-softcap": dict(seq=19, past=(0, 30), qlen=(19, 7), heads=4, kv_heads=2,
                                                 head_dim=256, block=16, window=12, softcap=1.5),
+    # QK-norm (Qwen3, Gemma 3): each query and key head RMS-normalized before its rotation.
+    "qk-norm": dict(qk_norm=True),
+    "decode-qk-norm-head-dim-128": dict(seq=1, past=(40, 3), qlen=(1, 1), heads=8, kv_heads=2, head_dim=128,
+                                        block=16, qk_norm=True),
 }
 
 
@@ -113,7 +117,7 @@ def attention_case(case: dict) -> dict:
     input names and attributes, the feeds but the pool, the pool token-major ("cache") and the
     reference's per-head Q/K/V, rotated ("heads")."""
     c = dict(seq=5, past=(0, 7, 3), qlen=(5, 1, 3), heads=6, kv_heads=2, head_dim=16, block=4, packed=True,
-             rotary=-1, interleaved=0, window=0, softcap=0.0) | case
+             rotary=-1, interleaved=0, window=0, softcap=0.0, qk_norm=False) | case
     rng = np.random.default_rng(0)
     batch, seq, h, hkv, d, bs = len(c["past"]), c["seq"], c["heads"], c["kv_heads"], c["head_dim"], c["block"]
     rot = d if c["rotary"] < 0 else c["rotary"]
@@ -132,9 +136,20 @@ def attention_case(case: dict) -> dict:
     feeds = {"q": np.concatenate([q, k, v], -1) if c["packed"] else q, "k": k, "v": v, "past": past, "qlen": qlen,
              "tables": tables, "cos": cos, "sin": sin}
     heads = [x.reshape(batch, seq, n, d).transpose(0, 2, 1, 3) for x, n in ((q, h), (k, hkv), (v, hkv))]
+    if c["qk_norm"]:
+        eps, norms = 1e-6, [(1 + 0.3 * rng.standard_normal(d)).astype(np.float32) for _ in range(2)]
+        names += ["", "q_norm", "k_norm"]  # no positions: cos/sin per token
+        attrs["qk_norm_epsilon"] = eps
+        feeds["q_norm"], feeds["k_norm"] = norms
+        for i, w in enumerate(norms):
+            x = heads[i]
+            heads[i] = (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * w).astype(np.float32)
     if rot:
         heads[0], heads[1] = (_rotate(x, cos, sin, c["interleaved"]) for x in heads[:2])
-    return dict(c=c, names=names, attrs=attrs, feeds=feeds, cache=cache, heads=heads)
+    # The reference takes the heads already normalized: the kernel's attributes less the norm's.
+    reference_attrs = {k: v for k, v in attrs.items() if k != "qk_norm_epsilon"}
+    return dict(c=c, names=names, attrs=attrs, reference_attrs=reference_attrs, feeds=feeds, cache=cache,
+                heads=heads)
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -151,7 +166,7 @@ def test_paged_attention_kernel_matches_the_reference(case):
     np.testing.assert_array_equal(pool, kept)  # not aliased: the kernel wrote a copy, not its input
     cache_out = kv_layout.to_token_major(cache_out, kv_layout.HEAD_MAJOR)
 
-    ref_out, ref_cache = pa.reference(*heads, cache, past, qlen, tables, **a["attrs"])
+    ref_out, ref_cache = pa.reference(*heads, cache, past, qlen, tables, **a["reference_attrs"])
     ref_out = ref_out.transpose(0, 2, 1, 3).reshape(batch, seq, h * d)
     valid = np.arange(seq)[None] < qlen[:, None]
     np.testing.assert_allclose(out[valid], ref_out[valid], atol=1e-5, rtol=0)
@@ -248,14 +263,22 @@ def test_skip_rmsnorm_matmul_matches_numpy(rows):
         sess.run(None, {"x": x, "skip": skip[..., :39].copy(), "gamma": gamma, "w": pack_weight(w)})
 
 
+def _gated(gate: np.ndarray, up: np.ndarray, activation: int) -> np.ndarray:
+    """act(gate) * up in float64: SiLU, or GELU's tanh approximation (torch's gelu_pytorch_tanh)."""
+    gate = gate.astype(np.float64)
+    if activation == cpu.ACT_GELU_TANH:
+        return 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3))) * up
+    return gate / (1 + np.exp(-gate)) * up
+
+
+@pytest.mark.parametrize("activation", [cpu.ACT_SILU, cpu.ACT_GELU_TANH])
 @pytest.mark.parametrize("rows", [1, 13])
-def test_swiglu_matmul_matches_numpy(rows):
+def test_swiglu_matmul_matches_numpy(rows, activation):
     rng = np.random.default_rng(rows)
     x, w = rng.standard_normal((1, rows, 2 * 40), dtype=np.float32), rng.standard_normal((40, 70), dtype=np.float32)
-    sess = _session("SwiGLUMatMul", ["x", "w"], ["y"], n=70)
+    sess = _session("SwiGLUMatMul", ["x", "w"], ["y"], n=70, activation=activation)
     y, = sess.run(None, {"x": x, "w": pack_weight(w)})
-    gate, up = x[..., :40].astype(np.float64), x[..., 40:]
-    np.testing.assert_allclose(y, (gate / (1 + np.exp(-gate)) * up) @ w, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(y, _gated(x[..., :40], x[..., 40:], activation) @ w, rtol=1e-5, atol=1e-4)
     with pytest.raises(Exception, match="input's last dim does not match the weight's K"):
         sess.run(None, {"x": x[..., 2:].copy(), "w": pack_weight(w)})
 
@@ -338,12 +361,17 @@ def test_lossless_weights_give_the_fp32_bits(op, rows):
         with_copy.run(None, {**{i: feeds[i] for i in names}, "lossless": blob[:-8]})
 
 
+@pytest.mark.parametrize("activation", [cpu.ACT_SILU, cpu.ACT_GELU_TANH])
 @pytest.mark.parametrize("rows", [1, 37])
-def test_swiglu_kernel(rows):
+def test_swiglu_kernel(rows, activation):
     x = np.random.default_rng(rows).standard_normal((1, rows, 2 * 24), dtype=np.float32) * 4
-    out, = _session("SwiGLU", ["x"], ["y"]).run(None, {"x": x})
-    gate, up = x[..., :24].astype(np.float64), x[..., 24:]
-    np.testing.assert_allclose(out, gate / (1 + np.exp(-gate)) * up, rtol=1e-6, atol=1e-6)
+    out, = _session("SwiGLU", ["x"], ["y"], activation=activation).run(None, {"x": x})
+    np.testing.assert_allclose(out, _gated(x[..., :24], x[..., 24:], activation), rtol=1e-6, atol=1e-6)
+
+
+def test_an_unknown_activation_is_refused_in_one_line():
+    with pytest.raises(Exception, match="attribute activation must be 0 \\(SiLU\\) or 1"):
+        _session("SwiGLU", ["x"], ["y"], activation=7)
 
 
 @pytest.mark.parametrize("kernel_pass", ["cpu-kernels", "packed-matmul", "lossless-weights", "decoder-layers"])

@@ -22,6 +22,7 @@ CASES = {
     "bf16-kv16": ("tiny-llama", dict(weight_dtype="bf16", kv_cache_dtype="fp16")),
     "qwen2-bias": ("tiny-qwen2", {}),  # an Add of the QKV bias inside the layer
     "mistral-window": ("tiny-mistral", {}),  # a sliding window
+    "qwen3-qk-norm": ("tiny-qwen3", {}),  # the attention's QK-norm weights
 }
 
 

@@ -11,23 +11,28 @@ The kernels take the tensors as the projections produce them:
   Reshape/Transpose pairs around the op go. Two foldings ride along and are counted on their own:
   - rope_fused: Q and K's `RotaryEmbedding` (same cos/sin) is applied inside the kernel;
   - qkv_packed: when Q, K and V are the three parts of one Split of the merged projection,
-    the kernel reads the unsplit tensor and the Split's copy goes.
+    the kernel reads the unsplit tensor and the Split's copy goes;
+  - qk_norm_fused: Q and K's RMSNormalization over each head (Qwen3, Gemma 3) is applied inside
+    the kernel, before the rotation, so Q and K reach it as the projection wrote them (and
+    packed, where they are one Split's).
 - heads_merged: the kernel writes [B, S, H*D]; where the graph split that into heads only to
   transpose and merge them back, the round trip goes.
 - swiglu: `QuickGelu(gate) * up` over the two halves of the merged gate/up projection ->
-  `llmc.cpu::SwiGLU(gate_up)`: no Split copy, one pass over the row.
+  `llmc.cpu::SwiGLU(gate_up)`: no Split copy, one pass over the row. Gemma's GeGLU
+  (`Gelu(gate, approximate="tanh") * up`) is the same op with `activation` 1 (counted as geglu).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import onnx_ir as ir
 
 from llmc.contract import graph_io as io
 from llmc.contract import kv_layout
 from llmc.contract.model_spec import ModelSpec
-from llmc.passes.graph import const_ints, perm, producer, rotary, shared_rotary
+from llmc.passes.graph import const_ints, perm, producer, rotary, shared_rotary, tensor
 from llmc.passes.rewrite import Rule, RulePass, rotary_operands
 from llmc.plugins import cpu
 from llmc.plugins import paged_attention as pa
@@ -35,19 +40,39 @@ from llmc.plugins import paged_attention as pa
 HEADS_TO_TOKENS = (0, 2, 1, 3)  # [B, H, S, D] <-> [B, S, H, D]
 
 
-def _token_major(value: ir.Value, head_dim: int) -> ir.Value | None:
-    """X when `value` is Transpose(Reshape(X, [B, S, H, D]), perm=[0, 2, 1, 3]) with X 3-D: the
-    heads split off X's last axis, which is the layout the kernel reads."""
-    transpose = producer(value, "Transpose")
+def _token_major(value: ir.Value, head_dim: int, norm_ok: bool = False) -> tuple[ir.Value | None, ir.Node | None]:
+    """(X, None) when `value` is Transpose(Reshape(X, [B, S, H, D]), perm=[0, 2, 1, 3]) with X 3-D:
+    the heads split off X's last axis, which is the layout the kernel reads. With `norm_ok`, also
+    (X, the norm) when an RMSNormalization over each head lies before or after the Transpose
+    (QK-norm), which the kernel then applies. (None, None) otherwise."""
+    # The norm is over each head's last axis, so it may lie on either side of the Transpose
+    # (Qwen3 normalizes before it, Gemma 3 after).
+    after = producer(value, "RMSNormalization") if norm_ok else None
+    transpose = producer(after.inputs[0] if after is not None else value, "Transpose")
     if transpose is None or perm(transpose) != HEADS_TO_TOKENS:
-        return None
-    reshape = producer(transpose.inputs[0], "Reshape")
+        return None, None
+    before = producer(transpose.inputs[0], "RMSNormalization") if norm_ok and after is None else None
+    norm = after or before
+    if norm is not None and _head_norm(norm, head_dim) is None:
+        return None, None
+    reshape = producer((before or transpose).inputs[0], "Reshape")
     if reshape is None:
-        return None
+        return None, None
     source, split = reshape.inputs[0], reshape.outputs[0].shape
     if source.shape is None or len(source.shape) != 3 or split is None or len(split) != 4 or split[3] != head_dim:
+        return None, None
+    return source, norm
+
+
+def _head_norm(norm: ir.Node, head_dim: int) -> float | None:
+    """The epsilon of an RMSNormalization over each head's last axis with a constant [head_dim]
+    float32 weight (what the kernel's QK-norm computes), else None."""
+    weight = tensor(norm.inputs[1]) if len(norm.inputs) > 1 else None
+    axis = norm.attributes.get_int("axis", -1)
+    if weight is None or weight.dims != (head_dim,) or weight.numpy_dtype() != np.float32 or axis not in (-1, 3) \
+            or norm.attributes.get_int("stash_type", 1) != 1:
         return None
-    return source
+    return norm.attributes.get_float("epsilon", 1e-5)
 
 
 def _splits_last_axis(split: ir.Node) -> bool:
@@ -82,9 +107,12 @@ class PagedAttentionKernel(Rule):
     def rewrite(self, op, m):
         spec, node = self.spec, m.node
         (q, rope), (k, _) = rotary(m.q), rotary(m.k)
+        # QK-norm goes into the kernel when Q and K both have it, with one epsilon.
+        norms = [_token_major(value, spec.head_dim, norm_ok=True)[1] for value in (q, k)]
+        fuse_norms = None not in norms and _head_norm(norms[0], spec.head_dim) == _head_norm(norms[1], spec.head_dim)
         sources = []
         for value in (q, k, m.v):
-            source = _token_major(value, spec.head_dim)
+            source, norm = _token_major(value, spec.head_dim, norm_ok=fuse_norms and value is not m.v)
             if source is None:  # not produced token-major: transpose it here
                 source = op.Reshape(op.Transpose(value, perm=HEADS_TO_TOKENS), op.const([0, 0, -1]))
             sources.append(source)
@@ -92,12 +120,18 @@ class PagedAttentionKernel(Rule):
         qkv = [packed, None, None] if packed is not None else sources
         cos, sin, interleaved = rotary_operands(op, rope)
         attrs = {f.name: node.attributes[f.name] for f in dataclasses.fields(pa.PagedAttentionAttrs)}
-        out, cache_out = op.PagedAttention(*qkv, m.cache, m.past_lens, m.query_lens, m.block_tables, cos, sin,
+        extra, positions = {}, [cos, sin]
+        if fuse_norms:
+            positions += [None, norms[0].inputs[1], norms[1].inputs[1]]  # no positions yet: rotary-tables adds them
+            extra["qk_norm_epsilon"] = _head_norm(norms[0], spec.head_dim)
+        out, cache_out = op.PagedAttention(*qkv, m.cache, m.past_lens, m.query_lens, m.block_tables, *positions,
                                            domain=cpu.DOMAIN, num_outputs=2, rotary_interleaved=interleaved,
-                                           **attrs)
+                                           **attrs, **extra)
         out.type = node.outputs[0].type
         op.count("rope_fused", int(rope is not None))
         op.count("qkv_packed", int(packed is not None))
+        if fuse_norms:
+            op.count("qk_norm_fused")
         heads = op.Transpose(op.Reshape(out, op.const([0, 0, spec.num_heads, spec.head_dim])), perm=HEADS_TO_TOKENS)
         return heads, cache_out
 
@@ -131,16 +165,25 @@ class MergedHeads(Rule):
 
 
 class SwiGLUKernel(Rule):
+    """act(gate) * up over the two halves of the merged gate/up projection, act SiLU (as ORT's
+    fusions leave it: QuickGelu with alpha 1) or Gemma's tanh-approximated GELU (GeGLU)."""
+
     name = "swiglu"
+
+    def __init__(self, op_type: str):
+        self.op_type = op_type  # QuickGelu or Gelu
 
     def pattern(self, op, whole, sizes):
         gate, up_half = op.Split(whole, sizes, _outputs=2, _keep=True, _name="split")
-        act = op.QuickGelu(gate, _domain="com.microsoft", _name="act")
+        domain = "com.microsoft" if self.op_type == "QuickGelu" else ""
+        act = getattr(op, self.op_type)(gate, _domain=domain, _name="act")
         return op.Mul(act, up_half, _commute=True)
 
     def check(self, m):
-        if m.act.attributes.get_float("alpha", 1.702) != 1.0:
+        if self.op_type == "QuickGelu" and m.act.attributes.get_float("alpha", 1.702) != 1.0:
             return "QuickGelu is not SiLU (alpha != 1)"
+        if self.op_type == "Gelu" and m.act.attributes.get_string("approximate", "none") != "tanh":
+            return "the Gelu is exact (erf), not the tanh approximation the kernel computes"
         if not _splits_last_axis(m.split):
             return "the Split is not along the last axis"
         sizes = const_ints(m.sizes)
@@ -149,7 +192,10 @@ class SwiGLUKernel(Rule):
         return None
 
     def rewrite(self, op, m):
-        return op.SwiGLU(m.whole, domain=cpu.DOMAIN)
+        activation = cpu.ACT_GELU_TANH if self.op_type == "Gelu" else cpu.ACT_SILU
+        if activation == cpu.ACT_GELU_TANH:
+            op.count("geglu")
+        return op.SwiGLU(m.whole, domain=cpu.DOMAIN, activation=activation)
 
 
 class CPUKernels(RulePass):
@@ -166,7 +212,7 @@ class CPUKernels(RulePass):
         return kernel_library_missing()
 
     def rules(self, spec: ModelSpec):
-        return [PagedAttentionKernel(spec), MergedHeads(spec), SwiGLUKernel()]
+        return [PagedAttentionKernel(spec), MergedHeads(spec), SwiGLUKernel("QuickGelu"), SwiGLUKernel("Gelu")]
 
     def finish(self, model: ir.Model, spec: ModelSpec, counts) -> None:
         if counts.get(PagedAttentionKernel.name):

@@ -9,7 +9,8 @@ whose input norm is ONNX's RMSNormalization (no residual yet), keeps its five no
 
 The node's inputs: x, skip, gamma1, w_qkv, the attention's pool and step inputs (past_lens,
 query_lens, block_tables, cos, sin, positions), w_o, gamma2, w_gate_up, w_down, the QKV bias
-(Qwen2's Add after the projection, optional), then each GEMM's lossless copy (optional).
+(Qwen2's Add after the projection, optional), then each GEMM's lossless copy (optional), then
+the attention's QK-norm weights (optional: Qwen3's).
 Attributes: the attention's, and each GEMM's under a prefix (`qkv_`, `o_`, `gate_up_`, `down_`),
 the norms' epsilons as `qkv_epsilon` and `gate_up_epsilon`. Outputs: the down projection, the
 residual after the attention (the second norm's sum), the pool.
@@ -26,6 +27,7 @@ from llmc.plugins import cpu
 
 GEMM_PREFIXES = ("qkv_", "o_", "gate_up_", "down_")
 ATTENTION_INPUTS = 10  # q, k, v, pool, past_lens, query_lens, block_tables, cos, sin, positions
+QK_NORM_INPUTS = 2  # then the attention's q_norm and k_norm weights, last among the layer's inputs too
 
 
 class DecoderLayer(Rule):
@@ -70,8 +72,10 @@ class DecoderLayer(Rule):
         attrs = {a.name: a for a in m.attention.attributes.values()}
         for prefix, node in zip(GEMM_PREFIXES, gemms):
             attrs |= {prefix + a.name: a.value for a in node.attributes.values()}
+        norms = list(m.attention.inputs[ATTENTION_INPUTS:]) + [None] * (QK_NORM_INPUTS - len(m.attention.inputs[
+            ATTENTION_INPUTS:]))
         inputs = [m.x, m.skip, m.gamma1, weights[0], m.pool, m.past_lens, m.query_lens, m.block_tables, *extra,
-                  weights[1], m.gamma2, weights[2], weights[3], m.bias if self.qkv_bias else None, *lossless]
+                  weights[1], m.gamma2, weights[2], weights[3], m.bias if self.qkv_bias else None, *lossless, *norms]
         while inputs[-1] is None:
             inputs.pop()
         down, after_attention, pool_out = op.DecoderLayer(*inputs, domain=cpu.DOMAIN, num_outputs=3, **attrs)

@@ -164,10 +164,12 @@ class SwiGLUMatMul(Rule):
     name = "swiglu_matmul"
 
     def pattern(self, op, gate_up, w):
-        return op.PackedMatMul(op.SwiGLU(gate_up, _domain=cpu.DOMAIN), w, _domain=cpu.DOMAIN, _name="matmul")
+        return op.PackedMatMul(op.SwiGLU(gate_up, _domain=cpu.DOMAIN, _name="act"), w, _domain=cpu.DOMAIN,
+                               _name="matmul")
 
     def rewrite(self, op, m):
-        return op.SwiGLUMatMul(m.gate_up, m.w, domain=cpu.DOMAIN, **_gemm_attributes(m.matmul))
+        return op.SwiGLUMatMul(m.gate_up, m.w, domain=cpu.DOMAIN, **_gemm_attributes(m.matmul),
+                               activation=m.act.attributes.get_int("activation", cpu.ACT_SILU))
 
 
 class PackedMatMuls(RulePass):

@@ -28,7 +28,7 @@ from llmc.passes.graph import graph_input
 from llmc.passes.manager import Pass, PassResult
 from llmc.plugins import cpu
 
-COS, SIN, POSITIONS = 7, 8, 9  # llmc.cpu::PagedAttention's optional inputs (llmc/plugins/paged_attention.py)
+COS, SIN, POSITIONS = 7, 8, 9  # llmc.cpu::PagedAttention's optional inputs (then q_norm, k_norm: cpu_ops.c)
 
 
 def _cone(outputs: list[ir.Value], source: ir.Value) -> list[ir.Node] | str:
@@ -110,7 +110,8 @@ class RotaryTables(Pass):
 
     def apply(self, model: ir.Model, spec: ModelSpec) -> PassResult:
         attention = [n for n in model.graph if n.domain == cpu.DOMAIN and n.op_type == "PagedAttention"
-                     and len(n.inputs) > SIN and n.inputs[COS] is not None and len(n.inputs) <= POSITIONS]
+                     and len(n.inputs) > SIN and n.inputs[COS] is not None
+                     and (len(n.inputs) <= POSITIONS or n.inputs[POSITIONS] is None)]
         pairs: dict[tuple[ir.Value, ir.Value], list[ir.Node]] = {}  # one per RoPE base (Gemma 3 has two)
         for node in attention:
             pairs.setdefault((node.inputs[COS], node.inputs[SIN]), []).append(node)
@@ -136,7 +137,8 @@ class RotaryTables(Pass):
             for node in users:
                 node.replace_input_with(COS, values[0])
                 node.replace_input_with(SIN, values[1])
-                node.resize_inputs(POSITIONS + 1)
+                if len(node.inputs) <= POSITIONS:  # a QK-norm's weights may follow it already
+                    node.resize_inputs(POSITIONS + 1)
                 node.replace_input_with(POSITIONS, source)
             tabled += len(users)
             for node in reversed(nodes):  # the angle ops now read by nothing (one may feed something else too)

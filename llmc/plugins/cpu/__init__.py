@@ -19,6 +19,7 @@ from typing import NamedTuple
 DOMAIN = "llmc.cpu"
 VERSION = 1
 PANEL = 32  # PackedMatMul's column panel width (LLMC_PANEL in kernels.h)
+ACT_SILU, ACT_GELU_TANH = 0, 1  # SwiGLU's and SwiGLUMatMul's `activation` (LLMC_ACT_* in kernels.h)
 
 
 class PackedGemm(NamedTuple):

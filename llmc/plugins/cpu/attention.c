@@ -238,25 +238,36 @@ const char *llmc_attention_check(const llmc_attention *a) {
     return NULL;
 }
 
-/* dst = x rotated by the token's angles (or copied when there is no rotary embedding). */
-static inline void rotate(const llmc_attention *a, const float *x, float *dst, int64_t b, int64_t j) {
+/* dst = x, RMS-normalized with `norm` when it is set (QK-norm), rotated by the token's angles. */
+static inline void rotate(const llmc_attention *a, const float *x, const float *norm, float *dst, int64_t b,
+                          int64_t j) {
     int64_t d = a->head_dim, rot = a->rotary_dim, half = rot / 2;
-    memcpy(dst, x, (size_t)d * sizeof(float));
+    if (norm != NULL) {
+        float squares = 0.0f;
+        for (int64_t i = 0; i < d; i++)
+            squares += x[i] * x[i];
+        float rms = sqrtf(squares / (float)d + a->norm_eps);
+        for (int64_t i = 0; i < d; i++)
+            dst[i] = x[i] / rms * norm[i];
+    } else {
+        memcpy(dst, x, (size_t)d * sizeof(float));
+    }
     if (rot == 0)
         return;
     int64_t at = a->positions ? a->positions[b * a->seq + j] * half : b * a->cos_batch_stride + j * half;
     const float *c = a->cos + at, *s = a->sin + at;
     if (a->interleaved) {
         for (int64_t i = 0; i < half; i++) {
-            float x0 = x[2 * i], x1 = x[2 * i + 1];
+            float x0 = dst[2 * i], x1 = dst[2 * i + 1];
             dst[2 * i] = x0 * c[i] - x1 * s[i];
             dst[2 * i + 1] = x1 * c[i] + x0 * s[i];
         }
     } else {
 #pragma omp simd
         for (int64_t i = 0; i < half; i++) {
-            dst[i] = x[i] * c[i] - x[i + half] * s[i];
-            dst[i + half] = x[i + half] * c[i] + x[i] * s[i];
+            float x0 = dst[i], x1 = dst[i + half];
+            dst[i] = x0 * c[i] - x1 * s[i];
+            dst[i + half] = x1 * c[i] + x0 * s[i];
         }
     }
 }
@@ -274,7 +285,7 @@ static void write_converted(const llmc_attention *a) {
             const float *k = a->k + tok * a->kv_stride, *v = a->v + tok * a->kv_stride;
             for (int64_t h = 0; h < hkv; h++) {
                 char *tile = (char *)a->cache + (blk * hkv + h) * tile_bytes;
-                rotate(a, k + h * d, key, b, j);
+                rotate(a, k + h * d, a->k_norm, key, b, j);
                 store_token(a->kv_type, key, tile, d, bs, slot, bs, slot);           /* keys: [d, bs] */
                 store_token(a->kv_type, v + h * d, tile + plane, d, 1, slot * d, bs, slot); /* values: [bs, d] */
             }
@@ -298,7 +309,7 @@ void llmc_attention_write(const llmc_attention *a) {
             const float *k = a->k + tok * a->kv_stride, *v = a->v + tok * a->kv_stride;
             for (int64_t h = 0; h < hkv; h++) {
                 float *tile = (float *)a->cache + (blk * hkv + h) * bs * d;
-                rotate(a, k + h * d, key, b, j);
+                rotate(a, k + h * d, a->k_norm, key, b, j);
                 for (int64_t i = 0; i < d; i++)  /* keys are stored transposed: [d, bs] */
                     tile[i * bs + slot] = key[i];
                 memcpy(tile + plane + slot * d, v + h * d, (size_t)d * sizeof(float));
@@ -829,7 +840,7 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
     int64_t past = a->past_lens[b];
     for (int64_t r = 0; r < rows; r++) {
         int64_t j = j0 + r % nq;
-        rotate(a, a->q + (b * a->seq + j) * a->q_stride + (h0 + r / nq) * d, q + r * d, b, j);
+        rotate(a, a->q + (b * a->seq + j) * a->q_stride + (h0 + r / nq) * d, a->q_norm, q + r * d, b, j);
         for (int64_t i = 0; i < d; i++) {
             q[r * d + i] *= a->scale;
             acc[r * d + i] = 0.0f;
@@ -1027,12 +1038,21 @@ void llmc_attention_task(const llmc_attention *a, int64_t task) {
 }
 
 LLMC_CLONES
-void llmc_swiglu_rows(const float *x, float *out, int64_t width, int64_t row0, int64_t row1) {
+void llmc_swiglu_rows(const float *x, float *out, int64_t width, int64_t row0, int64_t row1, int activation) {
     for (int64_t r = row0; r < row1; r++) {
         const float *gate = x + r * 2 * width, *up = gate + width;
         float *dst = out + r * width;
+        if (activation == LLMC_ACT_GELU_TANH) {
+            /* 0.5 g (1 + tanh(y)) = g sigmoid(2 y), y = sqrt(2 / pi) (g + 0.044715 g^3) */
 #pragma omp simd
-        for (int64_t i = 0; i < width; i++)
-            dst[i] = gate[i] / (1.0f + exp_f(-gate[i])) * up[i];
+            for (int64_t i = 0; i < width; i++) {
+                float g = gate[i], y2 = 1.5957691216057308f * (g + 0.044715f * g * g * g);
+                dst[i] = g / (1.0f + exp_f(-y2)) * up[i];
+            }
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < width; i++)
+                dst[i] = gate[i] / (1.0f + exp_f(-gate[i])) * up[i];
+        }
     }
 }

@@ -114,11 +114,11 @@ static OrtStatus *parallel(OrtKernelContext *ctx, void (*fn)(void *, size_t), si
 
 /* -- PagedAttention -------------------------------------------------------------------------- */
 
-enum { IN_Q, IN_K, IN_V, IN_CACHE, IN_PAST, IN_QLEN, IN_TABLES, IN_COS, IN_SIN, IN_POS, NUM_IN };
+enum { IN_Q, IN_K, IN_V, IN_CACHE, IN_PAST, IN_QLEN, IN_TABLES, IN_COS, IN_SIN, IN_POS, IN_Q_NORM, IN_K_NORM, NUM_IN };
 
 typedef struct {
     int64_t num_heads, num_kv_heads, sliding_window, interleaved;
-    float scale, softcap;
+    float scale, softcap, qk_norm_epsilon;
 } attention_kernel;
 
 static void attend_one(void *arg, size_t task) { llmc_attention_task((const llmc_attention *)arg, (int64_t)task); }
@@ -209,6 +209,16 @@ static OrtStatus *attention_setup(const char *op, const attention_kernel *kernel
         TRY(data(c->value, (void **)&a.cos));
         TRY(data(s->value, (void **)&a.sin));
     }
+    if ((t[IN_Q_NORM].value == NULL) != (t[IN_K_NORM].value == NULL))
+        return error(op, "q_norm and k_norm come together (QK-norm) or not at all");
+    if (t[IN_Q_NORM].value != NULL) {
+        for (int i = IN_Q_NORM; i <= IN_K_NORM; i++)
+            if (t[i].type != ORT_FLOAT || t[i].rank != 1 || t[i].dims[0] != d)
+                return error(op, "q_norm and k_norm must be float32 [head_dim]");
+        TRY(data(t[IN_Q_NORM].value, (void **)&a.q_norm));
+        TRY(data(t[IN_K_NORM].value, (void **)&a.k_norm));
+        a.norm_eps = kernel->qk_norm_epsilon;
+    }
     a.interleaved = (int)kernel->interleaved;
     a.scale = kernel->scale;
     a.softcap = kernel->softcap;
@@ -283,25 +293,28 @@ typedef struct {
     const float *x;
     float *out;
     int64_t width, rows, rows_per_task;
+    int activation; /* LLMC_ACT_* */
 } swiglu_job;
 
 static void swiglu_one(void *arg, size_t task) {
     const swiglu_job *job = arg;
     int64_t row0 = (int64_t)task * job->rows_per_task, row1 = row0 + job->rows_per_task;
-    llmc_swiglu_rows(job->x, job->out, job->width, row0, row1 < job->rows ? row1 : job->rows);
+    llmc_swiglu_rows(job->x, job->out, job->width, row0, row1 < job->rows ? row1 : job->rows, job->activation);
 }
 
-/* out[rows, width] = silu(gate) * up of x[rows, 2 * width]: a decode row is too little work to
+/* out[rows, width] = act(gate) * up of x[rows, 2 * width]: a decode row is too little work to
  * split; prefill rows go in groups of 8. */
-static OrtStatus *swiglu_rows(OrtKernelContext *ctx, const float *x, float *out, int64_t width, int64_t rows) {
-    swiglu_job job = {.x = x, .out = out, .width = width, .rows = rows, .rows_per_task = rows < 8 ? rows : 8};
+static OrtStatus *swiglu_rows(OrtKernelContext *ctx, const float *x, float *out, int64_t width, int64_t rows,
+                              int64_t activation) {
+    swiglu_job job = {.x = x, .out = out, .width = width, .rows = rows, .rows_per_task = rows < 8 ? rows : 8,
+                      .activation = (int)activation};
     if (rows == 0)
         return NULL;
     return parallel(ctx, swiglu_one, (size_t)((rows + job.rows_per_task - 1) / job.rows_per_task), &job);
 }
 
 static OrtStatus *swiglu_compute(void *state, OrtKernelContext *ctx) {
-    (void)state;
+    const int64_t *activation = state;
     tensor x;
     TRY(input(ctx, 0, &x));
     if (x.type != ORT_FLOAT || x.rank < 1 || x.dims[x.rank - 1] % 2 != 0)
@@ -311,7 +324,7 @@ static OrtStatus *swiglu_compute(void *state, OrtKernelContext *ctx) {
     float *out;
     TRY(data(x.value, (void **)&in));
     TRY(output(ctx, 0, dims, x.rank, (void **)&out));
-    return swiglu_rows(ctx, in, out, dims[x.rank - 1], rows);
+    return swiglu_rows(ctx, in, out, dims[x.rank - 1], rows, *activation);
 }
 
 /* -- PackedMatMul ------------------------------------------------------------------------------ */
@@ -320,6 +333,7 @@ typedef struct {
     int64_t n;
     int64_t format, block_size, zero_points; /* the weight's format (LLMC_FORMAT_*, kernels.h) */
     float epsilon; /* SkipRMSNormMatMul's */
+    int64_t activation; /* SwiGLUMatMul's gate activation (LLMC_ACT_*) */
 } linear_kernel;
 
 typedef struct {
@@ -589,7 +603,7 @@ static OrtStatus *swiglu_linear_compute(void *state, OrtKernelContext *ctx) {
     float *h = scratch_get(&buffer, (size_t)(job.m * job.k) * sizeof(float));
     if (h == NULL)
         return error(op, "out of memory for the activated rows");
-    OrtStatus *status = swiglu_rows(ctx, x_data, h, job.k, job.m);
+    OrtStatus *status = swiglu_rows(ctx, x_data, h, job.k, job.m, kernel->activation);
     job.x = h;
     if (status == NULL)
         status = run_linear(ctx, op, kernel, &job);
@@ -753,7 +767,8 @@ static void layer_scratch_done(void *p, int own) {
 enum {
     L_X, L_SKIP, L_GAMMA1, L_W_QKV, L_CACHE, L_PAST, L_QLEN, L_TABLES, L_COS, L_SIN, L_POS, L_W_O, L_GAMMA2,
     L_W_GATE_UP, L_W_DOWN, L_QKV_BIAS, L_LOSSLESS, /* then the four lossless copies, QKV to down */
-    L_NUM_IN = L_LOSSLESS + 4
+    L_Q_NORM = L_LOSSLESS + 4, L_K_NORM, /* the attention's QK-norm weights */
+    L_NUM_IN
 };
 enum { QKV, O, GATE_UP, DOWN, LINEARS };
 static const char *const linear_prefix[LINEARS] = {"qkv_", "o_", "gate_up_", "down_"};
@@ -771,6 +786,7 @@ typedef struct {
     llmc_attention attention;
     const float *x, *skip, *gamma1, *gamma2, *qkv_bias;
     float epsilon1, epsilon2;
+    int activation;
     float *sum1, *normed1, *normed2, *residual, *h;
     int64_t m, hidden;
     int out_of_memory;
@@ -824,7 +840,7 @@ static void layer_norm2(void *arg, int64_t item) {
 static void layer_swiglu(void *arg, int64_t item) {
     layer_job *job = arg;
     int64_t r0 = item * LAYER_ROWS, r1 = row_end(job, item);
-    llmc_swiglu_rows(job->linear[GATE_UP].y, job->h, job->linear[DOWN].k, r0, r1);
+    llmc_swiglu_rows(job->linear[GATE_UP].y, job->h, job->linear[DOWN].k, r0, r1, job->activation);
     layer_quantize(&job->linear[DOWN], r0, r1);
 }
 
@@ -920,7 +936,8 @@ static OrtStatus *layer_compute(void *state, OrtKernelContext *ctx) {
     int64_t qkv_width = lk[QKV].n, inter = lk[GATE_UP].n / 2;
     if (lk[O].n != hidden || lk[DOWN].n != hidden || lk[GATE_UP].n % 2 != 0)
         return error(op, "O and down must project back to hidden, and gate/up to two equal halves");
-    layer_job job = {.m = x->dims[0] * x->dims[1], .hidden = hidden, .epsilon1 = lk[QKV].epsilon,
+    layer_job job = {.m = x->dims[0] * x->dims[1], .hidden = hidden, .activation = (int)lk[DOWN].activation,
+                     .epsilon1 = lk[QKV].epsilon,
                      .epsilon2 = lk[GATE_UP].epsilon};
 
     tensor at[NUM_IN] = {0};
@@ -932,6 +949,8 @@ static OrtStatus *layer_compute(void *state, OrtKernelContext *ctx) {
     at[IN_COS] = t[L_COS];
     at[IN_SIN] = t[L_SIN];
     at[IN_POS] = t[L_POS];
+    at[IN_Q_NORM] = t[L_Q_NORM];
+    at[IN_K_NORM] = t[L_K_NORM];
     llmc_attention *a = &job.attention;
     /* The query's data is set once the scratch exists: the checks read only its shape. */
     TRY(attention_setup(op, &kernel->attention, at, NULL, a));
@@ -1031,6 +1050,7 @@ static const char *read_attention(const OrtKernelInfo *info, void *kernel) {
     read_int(info, "rotary_interleaved", 0, &k->interleaved);
     read_float(info, "scale", 1.0f, &k->scale);
     read_float(info, "softcap", 0.0f, &k->softcap);
+    read_float(info, "qk_norm_epsilon", 1e-6f, &k->qk_norm_epsilon);
     return k->num_heads <= 0 || k->num_kv_heads <= 0 ? "num_heads and num_kv_heads attributes must be positive" : NULL;
 }
 
@@ -1041,27 +1061,35 @@ static OrtStatus *attention_create(const OrtCustomOp *op, const OrtApi *ort, con
     return new_kernel("PagedAttention", sizeof(attention_kernel), read_attention, info, kernel_out);
 }
 
+static const char *read_swiglu(const OrtKernelInfo *info, void *kernel) {
+    int64_t *activation = kernel;
+    read_int(info, "activation", LLMC_ACT_SILU, activation);
+    return *activation != LLMC_ACT_SILU && *activation != LLMC_ACT_GELU_TANH
+               ? "attribute activation must be 0 (SiLU) or 1 (GELU, tanh approximation)" : NULL;
+}
+
 static OrtStatus *swiglu_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
                                 void **kernel_out) {
     (void)op;
     (void)ort;
-    (void)info;
-    *kernel_out = calloc(1, 1);
-    return NULL;
+    return new_kernel("SwiGLU", sizeof(int64_t), read_swiglu, info, kernel_out);
 }
 
 /* A packed GEMM's attributes, each name after `prefix` (DecoderLayer's four GEMMs have one each);
  * NULL or what is wrong with them. */
 static const char *read_linear(const OrtKernelInfo *info, const char *prefix, linear_kernel *k) {
-    static const char *const names[] = {"n", "weight_format", "block_size", "zero_points", "epsilon"};
-    char name[5][48];
-    for (int i = 0; i < 5; i++)
+    static const char *const names[] = {"n", "weight_format", "block_size", "zero_points", "epsilon", "activation"};
+    char name[6][48];
+    for (int i = 0; i < 6; i++)
         snprintf(name[i], sizeof name[i], "%s%s", prefix, names[i]);
     read_int(info, name[0], 0, &k->n);
     read_int(info, name[1], LLMC_FORMAT_FP32, &k->format);
     read_int(info, name[2], 0, &k->block_size);
     read_int(info, name[3], 0, &k->zero_points);
     read_float(info, name[4], 1e-6f, &k->epsilon);
+    read_int(info, name[5], LLMC_ACT_SILU, &k->activation);
+    if (k->activation != LLMC_ACT_SILU && k->activation != LLMC_ACT_GELU_TANH)
+        return "attribute activation must be 0 (SiLU) or 1 (GELU, tanh approximation)";
     if (k->n <= 0)
         return "attribute n (output columns) must be positive";
     if (k->format < LLMC_FORMAT_FP32 || k->format > LLMC_FORMAT_INT6)
@@ -1118,7 +1146,7 @@ static int32_t attention_output_type(const OrtCustomOp *op, size_t i) {
 }
 static int32_t attention_input_kind(const OrtCustomOp *op, size_t i) {
     (void)op;
-    return (i == IN_K || i == IN_V || i == IN_COS || i == IN_SIN || i == IN_POS) ? ORT_OPTIONAL : ORT_REQUIRED;
+    return (i == IN_K || i == IN_V || i >= IN_COS) ? ORT_OPTIONAL : ORT_REQUIRED;
 }
 
 
@@ -1127,7 +1155,7 @@ static int32_t layer_input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
     if (i == L_W_QKV || i == L_W_O || i == L_W_GATE_UP || i == L_W_DOWN || i == L_CACHE)
         return ORT_UNDEFINED;
-    if (i >= L_LOSSLESS)
+    if (i >= L_LOSSLESS && i < L_Q_NORM)
         return ORT_UINT8;
     return (i == L_PAST || i == L_QLEN || i == L_TABLES) ? ORT_INT32 : i == L_POS ? ORT_INT64 : ORT_FLOAT;
 }

@@ -26,6 +26,11 @@ typedef struct {
     const int64_t *positions;
     int64_t rotary_rows;
     int interleaved;
+    /* QK-norm (Qwen3, Gemma 3): when set, each query / key head is RMS-normalized with these
+     * [head_dim] weights and norm_eps before it is rotated, as the exported graph's
+     * RMSNormalization over the head did: x / sqrt(mean(x^2) + eps) * w. */
+    const float *q_norm, *k_norm;
+    float norm_eps;
     /* The pool, updated in place, head-major: [2, num_blocks, num_kv_heads, block_size, head_dim],
      * where each (block, KV head) key tile is stored transposed, [head_dim, block_size]. A
      * tile is one contiguous run (4 KB at head_dim 64, block 16), and scoring a block is
@@ -74,8 +79,11 @@ int64_t llmc_attention_tasks(const llmc_attention *a);
 void llmc_attention_task(const llmc_attention *a, int64_t task);
 void llmc_attention_combine(const llmc_attention *a);
 
-/* out[r, i] = silu(x[r, i]) * x[r, width + i] for rows [row0, row1): x is [rows, 2 * width]. */
-void llmc_swiglu_rows(const float *x, float *out, int64_t width, int64_t row0, int64_t row1);
+/* The gate's activation of a gated MLP: SiLU (SwiGLU), or GELU's tanh approximation (GeGLU:
+ * Gemma's gelu_pytorch_tanh). */
+enum { LLMC_ACT_SILU = 0, LLMC_ACT_GELU_TANH = 1 };
+/* out[r, i] = act(x[r, i]) * x[r, width + i] for rows [row0, row1): x is [rows, 2 * width]. */
+void llmc_swiglu_rows(const float *x, float *out, int64_t width, int64_t row0, int64_t row1, int activation);
 
 /* y[M, N] = x[M, K] @ W for W packed as [ceil(N / 32), K, 32] (column panels of 32, zero-padded):
  * each panel streams once from memory while up to 12 rows accumulate in registers, so small-M
