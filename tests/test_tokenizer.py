@@ -216,3 +216,44 @@ def test_a_qwen2_engine_whose_tokenizer_json_differs_encodes_like_transformers(t
     assert (engine / llm.engine.manifest.tokenizer.chat_template).read_text() == CHATML
     out = llm.generate("x = 12345", SamplingParams(max_tokens=4, ignore_eos=True))
     assert out.prompt_token_ids == hf("x = 12345").input_ids and len(out.token_ids) == 4
+
+
+def _gemma_tokenizer_json() -> dict:
+    """A tokenizer.json in Gemma's published format, trained here: SentencePiece-style BPE over
+    text whose spaces the normalizer makes "▁", no pre-tokenizer, byte fallback (<0x00>..<0xFF>
+    tokens for what the vocabulary lacks: here CJK and emoji), <bos> prepended, and a decoder
+    that undoes the "▁" and fuses the bytes."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, processors, trainers
+
+    tok = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=specials + [f"<0x{i:02X}>" for i in range(256)],
+                                  limit_alphabet=60, show_progress=False)
+    corpus = [t * 3 for t in TEXTS[:10]] + ["the quick brown fox jumps over the lazy dog " * 4,
+                                           "Straße naïve café über alles: 3.14159 = pi"]
+    tok.train_from_iterator(corpus, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", tok.token_to_id("<bos>"))])
+    return json.loads(tok.to_str())
+
+
+def test_gemma_byte_fallback_bpe_exports_like_transformers(tmp_path):
+    config = recipes.load_recipe("tiny-gemma3")["config"]
+    folder = _folder(tmp_path, config, _gemma_tokenizer_json(), tokenizer_class="GemmaTokenizer",
+                     bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+                     add_bos_token=True, add_eos_token=False)
+    export = export_tokenizer(folder, tmp_path / "out")
+    _assert_matches_transformers(folder, tmp_path / "out", ["<bos>", "<start_of_turn>", "<end_of_turn>"])
+    served = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(folder)
+    for text in _texts(["<bos>", "<start_of_turn>", "<end_of_turn>"]):
+        ids = hf(text).input_ids
+        assert served.decode(ids, skip_special_tokens=False) == hf.decode(ids), text
+    fallback = served.encode("你好 🙂").tokens
+    assert any(t.startswith("<0x") for t in fallback)  # byte fallback, not <unk>
+    assert (export.bos_token, export.eos_token, export.unk_token) == ("<bos>", "<eos>", "<unk>")
