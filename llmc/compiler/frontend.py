@@ -9,31 +9,50 @@ from __future__ import annotations
 import json
 import pickle
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from llmc.errors import ModelError, first_line
 from llmc.contract.model_spec import ModelSpec
 
-# HF architecture class -> family. They share one structure (decoder, RMSNorm, RoPE, SwiGLU, GQA), so
-# they share one code path; what differs is in the exported graph and runs as its ops where no pass
-# fuses it: Qwen3's QK-norm (an RMSNorm over each query and key head before RoPE), OLMo 2's norms
-# after the attention and the MLP and over the whole Q and K projections, SmolLM3's layers without
-# RoPE (no_rope_layers), Granite's multipliers (its logits scaling: passes/lm_head_scale.py), Gemma's
-# (1 + w) norms around each block, embedding scale, softcaps (compiler/attention.py; the final one:
-# passes/logits_softcap.py) and per-layer RoPE bases.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Phi3ForCausalLM": "phi3",
-    "Olmo2ForCausalLM": "olmo2",
-    "SmolLM3ForCausalLM": "smollm3",
-    "GraniteForCausalLM": "granite",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",
-}
+@dataclass(frozen=True)
+class Family:
+    """One transformers architecture llmc builds: what the frontend must know of it beyond what its
+    exported graph says. The families share one structure (decoder, RMSNorm, RoPE, gated MLP, GQA)
+    and one pipeline; what differs is in the exported graph, as ops the passes fuse by pattern or
+    leave as they are: Qwen3's and Gemma 3's QK-norm (fused into the attention kernel), OLMo 2's
+    norms after the attention and the MLP and over the whole Q and K projections, SmolLM3's layers
+    without RoPE, Granite's multipliers (its logits scaling: passes/lm_head_scale.py), Gemma's
+    (1 + w) norms around each block, embedding scale, GeGLU, softcaps (compiler/attention.py; the
+    final one: passes.graph.logits_tail) and per-layer RoPE bases (docs/families.md)."""
+
+    name: str  # ModelSpec.family
+    architecture: str  # the transformers class
+    model_type: str  # config.json's
+    # Which layers attend within sliding_window: "all" of them whatever layer_types says (Mistral,
+    # Phi-3; none where the config has no window); "switched": only with use_sliding_window, per
+    # layer_types or the family's own rule (Qwen2/3's max_window_layers, SmolLM3's NoPE layers);
+    # "pattern": layer_types, else all but every `full_every`-th (Gemma 2 alternates; Gemma 3's
+    # sliding_window_pattern, 6 by default).
+    windows: Literal["all", "switched", "pattern"] = "all"
+    full_every: int = 0
+
+
+FAMILIES = (
+    Family("llama", "LlamaForCausalLM", "llama"),
+    Family("mistral", "MistralForCausalLM", "mistral"),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", windows="switched"),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", windows="switched"),
+    Family("phi3", "Phi3ForCausalLM", "phi3"),
+    Family("olmo2", "Olmo2ForCausalLM", "olmo2"),
+    Family("smollm3", "SmolLM3ForCausalLM", "smollm3", windows="switched"),
+    Family("granite", "GraniteForCausalLM", "granite"),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2", windows="pattern", full_every=2),
+    Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", windows="pattern", full_every=6),
+)
+SUPPORTED_ARCHITECTURES = {f.architecture: f for f in FAMILIES}
+_FAMILY_OF_TYPE = {f.model_type: f for f in FAMILIES}  # transformers loads a config without architectures by it
 
 
 def resolve_model(ref: str) -> Path:
@@ -85,14 +104,6 @@ def read_config(folder: Path) -> dict[str, Any]:
         raise ModelError(f"cannot read {folder / 'config.json'}: {exc}; is the model folder complete?") from None
 
 
-# model_type -> architecture, for a config.json that names no architectures (transformers loads
-# those by model_type).
-_ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                         "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
-                         "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-# RoPE types whose frequencies are fixed at build time, or made per row at export (longrope,
-# dynamic: see llmc.compiler.rope).
 # Architectures people run on CPUs that llmc does not build yet (model_type -> class, what each
 # needs beyond the shared structure; docs/families.md): the refusal names it.
 MISSING_FEATURES = {
@@ -106,21 +117,18 @@ MISSING_FEATURES = {
     "jamba": ("JambaForCausalLM", "state-space (Mamba) and mixture-of-experts layers"),
     "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "state-space (Mamba-2) and mixture-of-experts layers"),
 }
+# RoPE types whose frequencies are fixed at build time, or made per row at export (longrope,
+# dynamic: see llmc.compiler.rope).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# Families whose config windows attention only with use_sliding_window, and then only some layers.
-WINDOW_SWITCHED = ("qwen2", "qwen3", "smollm3")
-# Families that window every layer but the n-th of each n (transformers derives their layer_types
-# so when a config has none: Gemma 2 alternates, Gemma 3 has sliding_window_pattern, default 6).
-WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 
 
 def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     archs = config.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None and not archs:
-        arch = _ARCHITECTURE_OF_TYPE.get(config.get("model_type"))
-    if arch is None:
+    family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if family is None and not archs:
+        family = _FAMILY_OF_TYPE.get(config.get("model_type"))
+    if family is None:
         got = ", ".join(archs) if archs else f"model_type={config.get('model_type')!r}"
         lacks = next((what for model_type, (cls, what) in MISSING_FEATURES.items()
                       if cls in archs or model_type == config.get("model_type")), None)
@@ -129,26 +137,25 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
             f"unsupported architecture {got}{why}; llmc supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     model_type = config.get("model_type")
-    if model_type not in _ARCHITECTURE_OF_TYPE:
+    if model_type not in _FAMILY_OF_TYPE:
         # transformers would build such a model from the folder's own Python (auto_map), or not at all.
         code = " and its own Python code (auto_map), which llmc never runs" if config.get("auto_map") else ""
         raise ModelError(f"config.json names model_type {model_type!r}{code}; llmc loads the model types "
-                         f"{', '.join(_ARCHITECTURE_OF_TYPE)} with transformers' built-in code")
-    family = SUPPORTED_ARCHITECTURES[arch]
+                         f"{', '.join(_FAMILY_OF_TYPE)} with transformers' built-in code")
     heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     window = config.get("sliding_window")
-    if family in WINDOW_SWITCHED and not config.get("use_sliding_window", False):
+    if family.windows == "switched" and not config.get("use_sliding_window", False):
         window = None
     if config.get("use_bidirectional_attention"):
         raise ModelError("config.json sets use_bidirectional_attention (an embedding model, not a decoder); "
                          "llmc builds causal language models")
-    rope_theta, rope_scaling, local_theta = _rope(config, family)
+    rope_theta, rope_scaling, local_theta = _rope(config, family.name)
     return ModelSpec(
-        family=family,
-        architecture=arch,
+        family=family.name,
+        architecture=family.architecture,
         num_layers=config["num_hidden_layers"],
         hidden_size=hidden,
         num_heads=heads,
@@ -207,25 +214,21 @@ def _check_rope_type(kind: str) -> None:
         raise ModelError(f"rope type {kind!r} is not supported; llmc supports {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
-def _layer_types(config: dict[str, Any], family: str, window: int | None) -> tuple[str, ...]:
-    """Which layers attend within the window, as transformers decides it; () when all layers do.
-
-    Qwen2 and Qwen3 (their first max_window_layers layers attend in full) and SmolLM3 (its layers
-    with RoPE do) mix layer kinds, behind use_sliding_window; Gemma 2 and 3 always do (one layer
-    in WINDOW_PATTERN's attends in full); Mistral and Phi-3 window every layer and ignore
-    layer_types."""
-    if not window or family not in WINDOW_SWITCHED + tuple(WINDOW_PATTERN):
+def _layer_types(config: dict[str, Any], family: Family, window: int | None) -> tuple[str, ...]:
+    """Which layers attend within the window, as transformers decides it (Family.windows); () when
+    all layers do."""
+    if not window or family.windows == "all":
         return ()
     layers = config["num_hidden_layers"]
     types = config.get("layer_types")
-    if types is None and family in WINDOW_PATTERN:
-        every = config.get("sliding_window_pattern", WINDOW_PATTERN[family])
+    if types is None and family.windows == "pattern":
+        every = config.get("sliding_window_pattern", family.full_every)
         types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
-    elif types is None and family == "smollm3":  # SmolLM3Config: the layers without RoPE attend in the window
+    elif types is None and family.name == "smollm3":  # SmolLM3Config: the layers without RoPE attend in the window
         no_rope = config.get("no_rope_layers") or [1] * layers
         types = ["full_attention" if uses_rope else "sliding_attention" for uses_rope in no_rope]
-    elif types is None:
-        first_windowed = config.get("max_window_layers", 28)  # transformers' Qwen2Config default
+    elif types is None:  # Qwen2Config's and Qwen3Config's rule: the first max_window_layers attend in full
+        first_windowed = config.get("max_window_layers", 28)
         types = ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
         raise ModelError(f"config.json layer_types must list one of {', '.join(LAYER_TYPES)} for each of the "

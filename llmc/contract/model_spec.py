@@ -17,7 +17,7 @@ LayerType = Literal["full_attention", "sliding_attention"]
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str  # a value of llmc.compiler.frontend.SUPPORTED_ARCHITECTURES, e.g. "llama", "gemma3"
+    family: str  # a llmc.compiler.frontend.Family's name, e.g. "llama", "gemma3"
     architecture: str  # the HF class name, e.g. "LlamaForCausalLM"
     num_layers: int
     hidden_size: int
