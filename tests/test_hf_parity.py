@@ -93,7 +93,8 @@ def test_text_prompt_batch_matches_one_at_a_time(llama_engine):
 # (short factors up to 64 tokens, long beyond). Prompts sit on both sides of the window and of
 # longrope's boundary, and 23 + 48 and 40 + 48 tokens cross the boundary while generating.
 VARIANTS = ("tiny-qwen2-swa", "tiny-phi3-longrope", "tiny-qwen3", "tiny-olmo2", "tiny-smollm3", "tiny-granite",
-            "tiny-gemma2", "tiny-gemma3")
+            "tiny-gemma2", "tiny-gemma3", "tiny-starcoder2",
+            "tiny-ernie4_5")
 VARIANT_PROMPT_LENS = (23, 9, 40, 100)
 
 
@@ -111,8 +112,9 @@ def test_layer_and_rope_variants_match_hf_alone_and_batched(recipe, engines, hf_
         with torch.no_grad():
             refs.append(hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist())
     params = SamplingParams(max_tokens=48)
-    # Default chunks (every prompt in one call) and 32-token chunks (the 100-token prompt in four).
-    for options in ({}, {"chunk_size": 32, "max_num_batched_tokens": 64}):
+    # Default chunks (every prompt in one call) and 16-token chunks (the 100-token prompt in seven,
+    # each crossing the 8- and 16-token windows).
+    for options in ({}, {"chunk_size": 16, "max_num_batched_tokens": 32}):
         llm = LLM(engines(recipe), **options)
         batched = [o.token_ids for o in llm.generate(prompts, params)]
         alone = [llm.generate(p, params).token_ids for p in prompts]

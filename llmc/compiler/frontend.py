@@ -37,6 +37,7 @@ class Family:
     # sliding_window_pattern, 6 by default).
     windows: Literal["all", "switched", "pattern"] = "all"
     full_every: int = 0
+    gated_mlp: bool = True  # down(act(gate(x)) * up(x)); False: fc2(act(fc1(x))) (StarCoder2)
 
 
 FAMILIES = (
@@ -50,6 +51,8 @@ FAMILIES = (
     Family("granite", "GraniteForCausalLM", "granite"),
     Family("gemma2", "Gemma2ForCausalLM", "gemma2", windows="pattern", full_every=2),
     Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", windows="pattern", full_every=6),
+    Family("starcoder2", "Starcoder2ForCausalLM", "starcoder2", gated_mlp=False),
+    Family("ernie4_5", "Ernie4_5ForCausalLM", "ernie4_5"),
 )
 SUPPORTED_ARCHITECTURES = {f.architecture: f for f in FAMILIES}
 _FAMILY_OF_TYPE = {f.model_type: f for f in FAMILIES}  # transformers loads a config without architectures by it
@@ -165,7 +168,8 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
         vocab_size=config["vocab_size"],
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         rope_theta=rope_theta,
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(config.get("rms_norm_eps", config.get("norm_epsilon", 1e-6))),
+        gated_mlp=family.gated_mlp,
         activation=config.get("hidden_activation") or config.get("hidden_act", "silu"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,

@@ -44,6 +44,7 @@ class ModelSpec:
     # tanh caps, 0 when none: on the attention scores (Gemma 2), on the logits (Gemma 2).
     attn_logit_softcap: float = added(0.0)
     final_logit_softcap: float = added(0.0)
+    gated_mlp: bool = added(True)  # gate, up and down projections; False: two (StarCoder2's fc1, fc2)
 
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -59,7 +60,7 @@ class ModelSpec:
         """The parameters the config implies (projections, embeddings; norms and biases, a rounding
         error, left out): what a build compares with the bytes on disk before any work."""
         attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
+        mlp = (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attention + mlp) + embeddings
 
