@@ -53,6 +53,18 @@ FAMILIES = (
     Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", windows="pattern", full_every=6),
     Family("starcoder2", "Starcoder2ForCausalLM", "starcoder2", gated_mlp=False),
     Family("ernie4_5", "Ernie4_5ForCausalLM", "ernie4_5"),
+    # Families that took nothing new: their differences (LayerNorm, partial or interleaved RoPE,
+    # QK-norm, norms after each block, squared-ReLU MLPs, layers without RoPE) are ops the pipeline
+    # already handles or fuses.
+    Family("stablelm", "StableLmForCausalLM", "stablelm"),
+    Family("olmo", "OlmoForCausalLM", "olmo"),
+    Family("helium", "HeliumForCausalLM", "helium"),
+    Family("glm", "GlmForCausalLM", "glm"),
+    Family("glm4", "Glm4ForCausalLM", "glm4"),
+    Family("nemotron", "NemotronForCausalLM", "nemotron", gated_mlp=False),
+    Family("arcee", "ArceeForCausalLM", "arcee", gated_mlp=False),
+    Family("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", "hunyuan_v1_dense"),
+    Family("exaone4", "Exaone4ForCausalLM", "exaone4", windows="pattern", full_every=4),
 )
 SUPPORTED_ARCHITECTURES = {f.architecture: f for f in FAMILIES}
 _FAMILY_OF_TYPE = {f.model_type: f for f in FAMILIES}  # transformers loads a config without architectures by it
