@@ -60,7 +60,7 @@ def _passes(*names: str):
 
 def test_the_pipeline_is_one_phased_list_built_from_the_options():
     assert [(ph.name, [p.name for p in ph.passes]) for ph in phases(BuildOptions())] == [
-        ("canonicalize", ["cleanup", "native-gqa", "lm-head-scale", "interleaved-rope"]),
+        ("canonicalize", ["cleanup", "native-gqa", "lm-head-scale", "rope-forms"]),
         ("fuse", ["merge-matmuls"]),
         ("quantize", []),
         ("rewrite KV I/O", ["paged-kv-cache", "logits-indices"]),

@@ -48,7 +48,7 @@ def lowered(request, exported):
 
 def test_the_tensorrt_pipeline_shares_the_first_phases_then_lowers_for_tensorrt():
     names = [(ph.name, [p.name for p in ph.passes]) for ph in phases(BuildOptions(backend="tensorrt"))]
-    assert names == [("canonicalize", ["cleanup", "native-gqa", "lm-head-scale", "interleaved-rope"]), ("fuse", ["merge-matmuls"]), ("quantize", []),
+    assert names == [("canonicalize", ["cleanup", "native-gqa", "lm-head-scale", "rope-forms"]), ("fuse", ["merge-matmuls"]), ("quantize", []),
                      ("rewrite KV I/O", ["paged-kv-cache", "logits-indices"]), ("lower", ["trt-plugin"]),
                      ("precision", ["trt-precision"])]
     quantized = phases(BuildOptions(backend="tensorrt", quant="int4"))

@@ -1,7 +1,7 @@
 """The pass pipeline, as one list in phases, built from the build's options.
 
     canonicalize      cleanup, native-gqa, lm-head-scale (a constant scaling of the logits into the head),
-                      interleaved-rope (RoPE on interleaved pairs as ONNX RotaryEmbedding)
+                      rope-forms (RoPE on interleaved pairs or part of each head as ONNX RotaryEmbedding)
     fuse              merge-matmuls, draft-vocab (with --draft-vocab: the LM head's kept columns)
     quantize          quantize-weights (with --quant or --weight-dtype: DequantizeLinear/Cast -> MatMul)
     rewrite KV I/O    paged-kv-cache, logits-indices (the LM head on the step's chosen tokens)
@@ -33,7 +33,7 @@ from llmc.passes.cpu_kernels import CPUKernels
 from llmc.passes.decoder_layers import DecoderLayers
 from llmc.passes.draft_vocab import DraftVocab
 from llmc.passes.greedy_tokens import GreedyTokens
-from llmc.passes.interleaved_rope import InterleavedRoPE
+from llmc.passes.rope_forms import RopeForms
 from llmc.passes.lm_head_scale import LMHeadScale
 from llmc.passes.logits_indices import LogitsIndices
 from llmc.passes.lossless_weights import LosslessWeights
@@ -60,7 +60,7 @@ def phases(options: BuildOptions) -> list[Phase]:
     """Every pass the options call for, in order and by phase (--disable-pass not yet applied)."""
     block = options.block_size
     common = [
-        Phase("canonicalize", (Cleanup(), NativeGQA(), LMHeadScale(), InterleavedRoPE())),
+        Phase("canonicalize", (Cleanup(), NativeGQA(), LMHeadScale(), RopeForms())),
         Phase("fuse", (MergeMatMuls(),) + ((DraftVocab(),) if options.draft_vocab else ())),
         Phase("quantize", (QuantizeWeights(options),) if options.reduces_weights else ()),
         Phase("rewrite KV I/O", (PagedKVCache(block), LogitsIndices())),

@@ -1,15 +1,17 @@
-"""interleaved-rope: RoPE on interleaved pairs, written out as ops, becomes ONNX's RotaryEmbedding.
+"""rope-forms: RoPE that transformers writes in forms the exporter's fusions miss becomes ONNX's
+RotaryEmbedding, which llmc's attention kernel folds and rotary-tables tabulates.
 
-The exporter's fusions recognize the rotate-half RoPE most families use, not the interleaved
-form (dims 2i and 2i + 1 rotate together) that ERNIE 4.5 writes as
+- interleaved_rope: the exporter's fusions recognize the rotate-half RoPE most families use, not
+  the interleaved form (dims 2i and 2i + 1 rotate together) that ERNIE 4.5, Helium and GLM write as
 
     x * repeat_interleave(cos[..., :D/2], 2) + stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
                                              * repeat_interleave(sin[..., :D/2], 2)
 
-which exports as a dozen Slice, Neg, Unsqueeze, Concat, Expand and Reshape nodes per Q and K.
-`RotaryEmbedding(x, cos[..., :D/2], sin[..., :D/2], interleaved=1)` computes the same, and from
-there the rotation folds into llmc's attention kernel and its angles into rotary-tables' tables,
-as for every other family.
+  which exports as a dozen Slice, Neg, Unsqueeze, Concat, Expand and Reshape nodes per Q and K;
+  `RotaryEmbedding(x, cos[..., :D/2], sin[..., :D/2], interleaved=1)` computes the same.
+- partial_rope: a rotation of each head's first R dims only (StableLM, GLM, Nemotron) exports as
+  Concat(RotaryEmbedding(x[..., :R]), x[..., R:]), which is RotaryEmbedding(x) with
+  rotary_embedding_dim R.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ LAST = (-1, 3)  # the head_dim axis of a [B, H, S, D] tensor
 HUGE = 2 ** 62  # a Slice end past any dim ("to the end")
 
 
-def _slice(value: ir.Value) -> tuple[ir.Value, int, int, int] | None:
+def _slice(value: ir.Value | None) -> tuple[ir.Value, int, int, int] | None:
     """(data, start, end, step) of a Slice along the last axis of a 4-D tensor."""
-    node = producer(value, "Slice")
+    node = producer(value, "Slice") if value is not None else None
     if node is None or len(node.inputs) < 4:
         return None
     starts, ends, axes = (const_ints(v) for v in node.inputs[1:4])
@@ -39,6 +41,12 @@ def _slice(value: ir.Value) -> tuple[ir.Value, int, int, int] | None:
 def _unsqueezed(value: ir.Value, axes: tuple[int, ...]) -> ir.Value | None:
     node = producer(value, "Unsqueeze")
     return node.inputs[0] if node is not None and const_ints(node.inputs[1]) in [[a] for a in axes] else None
+
+
+def _width(value: ir.Value) -> int | None:
+    """The static last dim of a 4-D tensor."""
+    shape = value.shape
+    return shape[3] if shape is not None and len(shape) == 4 and isinstance(shape[3], int) else None
 
 
 def _doubled_half(value: ir.Value, head_dim: int) -> ir.Value | None:
@@ -84,34 +92,69 @@ class InterleavedRope(Rule):
         return op.Add(op.Mul(x, cos, _name="by_cos"), op.Mul(rotated, sin, _name="by_sin"))
 
     def check(self, m):
-        if m.x.shape is None or len(m.x.shape) != 4 or m.x.shape[3] != self.head_dim:
-            return "not a [B, H, S, head_dim] tensor"
+        width = _width(m.x)  # the head_dim, or the rotated part of it
+        if width is None or width > self.head_dim or width % 2:
+            return "not a [B, H, S, D] tensor with a static, even D of at most head_dim"
         if not _rotated_pairs(m.rotated, m.x):
             return "the second term is not x's interleaved pairs rotated"
-        if _doubled_half(m.cos, self.head_dim) is None or _doubled_half(m.sin, self.head_dim) is None:
+        if _doubled_half(m.cos, width) is None or _doubled_half(m.sin, width) is None:
             return "cos and sin are not the first half of the angles, each repeated twice in place"
         return None
 
     def rewrite(self, op, m):
-        cos, sin = (self._half(op, _doubled_half(v, self.head_dim)) for v in (m.cos, m.sin))
+        width = _width(m.x)
+        cos, sin = (self._half(op, _doubled_half(v, width), width) for v in (m.cos, m.sin))
         out = op.RotaryEmbedding(m.x, cos, sin, interleaved=1)
         out.type, out.shape = m.x.type, m.x.shape
         return out
 
 
-    def _half(self, op, angles: ir.Value) -> ir.Value:
-        """angles[..., :D/2], reused where an earlier rewrite of this pass made it (the sweep goes in
-        graph order, so it was placed before this match's root)."""
+    def _half(self, op, angles: ir.Value, width: int) -> ir.Value:
+        """angles[..., :width/2], reused where an earlier rewrite of this pass made it (the sweep goes
+        in graph order, so it was placed before this match's root)."""
         made = self.halves.get(angles)
         if made is None or made.producer() is None or made.producer().graph is None:
-            made = op.Slice(angles, op.const([0]), op.const([self.head_dim // 2]), op.const([-1]))
+            made = op.Slice(angles, op.const([0]), op.const([width // 2]), op.const([-1]))
             self.halves[angles] = made
         return made
 
 
-class InterleavedRoPE(RulePass):
-    name = "interleaved-rope"
-    description = "RoPE on interleaved pairs, written as ops (ERNIE 4.5), as ONNX RotaryEmbedding(interleaved=1)"
+class PartialRope(Rule):
+    name = "partial_rope"
+
+    def __init__(self, head_dim: int):
+        self.head_dim = head_dim
+
+    def pattern(self, op, head, cos, sin, tail):
+        rope = op.RotaryEmbedding(head, cos, sin, _name="rope")
+        return op.Concat(rope, tail, _name="concat")
+
+    def check(self, m):
+        head, tail = _slice(m.head), _slice(m.tail)
+        if head is None or tail is None or head[0] is not tail[0]:
+            return "the rotated and the passed-through parts are not two slices of one tensor"
+        x, rotated = head[0], head[2]
+        if _width(x) != self.head_dim or head[1:] != (0, rotated, 1) or tail[1] != rotated or tail[3] != 1 \
+                or tail[2] < self.head_dim:
+            return "not the first R dims of each head rotated and the rest passed through"
+        if m.concat.attributes.get_int("axis", 0) not in LAST:
+            return "the parts are not joined along the head's dims"
+        if m.rope.attributes.get_int("rotary_embedding_dim", 0) not in (0, rotated):
+            return "the RotaryEmbedding rotates part of its input already"
+        return None
+
+    def rewrite(self, op, m):
+        x, _, rotated, _ = _slice(m.head)
+        attrs = {a.name: a for a in m.rope.attributes.values() if a.name != "rotary_embedding_dim"}
+        out = op.RotaryEmbedding(x, m.cos, m.sin, rotary_embedding_dim=rotated, **attrs)
+        out.type, out.shape = x.type, x.shape
+        return out
+
+
+class RopeForms(RulePass):
+    name = "rope-forms"
+    description = "RoPE in forms the exporter misses (interleaved pairs, part of each head) as ONNX RotaryEmbedding"
+    fixed_point = True  # a partial rotation is an interleaved one's output first (GLM)
 
     def rules(self, spec: ModelSpec):
-        return [InterleavedRope(spec.head_dim)]
+        return [InterleavedRope(spec.head_dim), PartialRope(spec.head_dim)]
