@@ -108,11 +108,13 @@ class PagedAttentionKernel(Rule):
         spec, node = self.spec, m.node
         (q, rope), (k, _) = rotary(m.q), rotary(m.k)
         # QK-norm goes into the kernel when Q and K both have it, with one epsilon.
-        norms = [_token_major(value, spec.head_dim, norm_ok=True)[1] for value in (q, k)]
-        fuse_norms = None not in norms and _head_norm(norms[0], spec.head_dim) == _head_norm(norms[1], spec.head_dim)
+        normed = [_token_major(value, spec.head_dim, norm_ok=True) for value in (q, k)]
+        norms = [norm for _, norm in normed]
+        epsilon = _head_norm(norms[0], spec.head_dim) if None not in norms else None
+        fuse_norms = epsilon is not None and epsilon == _head_norm(norms[1], spec.head_dim)
         sources = []
-        for value in (q, k, m.v):
-            source, norm = _token_major(value, spec.head_dim, norm_ok=fuse_norms and value is not m.v)
+        for value, found in zip((q, k, m.v), normed + [None]):
+            source = found[0] if fuse_norms and found else _token_major(value, spec.head_dim)[0]
             if source is None:  # not produced token-major: transpose it here
                 source = op.Reshape(op.Transpose(value, perm=HEADS_TO_TOKENS), op.const([0, 0, -1]))
             sources.append(source)
@@ -123,7 +125,7 @@ class PagedAttentionKernel(Rule):
         extra, positions = {}, [cos, sin]
         if fuse_norms:
             positions += [None, norms[0].inputs[1], norms[1].inputs[1]]  # no positions yet: rotary-tables adds them
-            extra["qk_norm_epsilon"] = _head_norm(norms[0], spec.head_dim)
+            extra["qk_norm_epsilon"] = epsilon
         out, cache_out = op.PagedAttention(*qkv, m.cache, m.past_lens, m.query_lens, m.block_tables, *positions,
                                            domain=cpu.DOMAIN, num_outputs=2, rotary_interleaved=interleaved,
                                            **attrs, **extra)

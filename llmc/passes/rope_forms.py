@@ -28,7 +28,7 @@ HUGE = 2 ** 62  # a Slice end past any dim ("to the end")
 
 def _slice(value: ir.Value | None) -> tuple[ir.Value, int, int, int] | None:
     """(data, start, end, step) of a Slice along the last axis of a 4-D tensor."""
-    node = producer(value, "Slice") if value is not None else None
+    node = producer(value, "Slice")
     if node is None or len(node.inputs) < 4:
         return None
     starts, ends, axes = (const_ints(v) for v in node.inputs[1:4])
@@ -49,16 +49,16 @@ def _width(value: ir.Value) -> int | None:
     return shape[3] if shape is not None and len(shape) == 4 and isinstance(shape[3], int) else None
 
 
-def _doubled_half(value: ir.Value, head_dim: int) -> ir.Value | None:
-    """The angles A [B, S, D] when `value` is repeat_interleave(Unsqueeze(A, 1)[..., :D/2], 2)
-    as exported: Reshape(Expand(Unsqueeze(Slice(...), 4), [1, 1, 1, 1, 2]), [..., D])."""
+def _doubled_half(value: ir.Value, width: int) -> ir.Value | None:
+    """The angles A [B, S, D] when `value` is repeat_interleave(Unsqueeze(A, 1)[..., :width/2], 2)
+    as exported: Reshape(Expand(Unsqueeze(Slice(...), 4), [1, 1, 1, 1, 2]), [..., width])."""
     reshape = producer(value, "Reshape")
     expand = producer(reshape.inputs[0], "Expand") if reshape is not None else None
     if expand is None or const_ints(expand.inputs[1]) != [1, 1, 1, 1, 2]:
         return None
     sliced = _unsqueezed(expand.inputs[0], (4, -1))
-    half = _slice(sliced) if sliced is not None else None
-    if half is None or half[1:] != (0, head_dim // 2, 1):
+    half = _slice(sliced)
+    if half is None or half[1:] != (0, width // 2, 1):
         return None
     return _unsqueezed(half[0], (1,))
 
@@ -70,9 +70,9 @@ def _rotated_pairs(value: ir.Value, x: ir.Value) -> bool:
     if concat is None or len(concat.inputs) != 2 or concat.attributes.get_int("axis", 0) not in (-1, 4):
         return False
     odd, even = (_unsqueezed(v, (-1, 4)) for v in concat.inputs)
-    neg = producer(odd, "Neg") if odd is not None else None
+    neg = producer(odd, "Neg")
     odd_slice = _slice(neg.inputs[0]) if neg is not None else None
-    even_slice = _slice(even) if even is not None else None
+    even_slice = _slice(even)
     if odd_slice is None or even_slice is None:
         return False
     return (odd_slice[0] is x and even_slice[0] is x and odd_slice[1] == 1 and even_slice[1] == 0
@@ -107,7 +107,6 @@ class InterleavedRope(Rule):
         out = op.RotaryEmbedding(m.x, cos, sin, interleaved=1)
         out.type, out.shape = m.x.type, m.x.shape
         return out
-
 
     def _half(self, op, angles: ir.Value, width: int) -> ir.Value:
         """angles[..., :width/2], reused where an earlier rewrite of this pass made it (the sweep goes

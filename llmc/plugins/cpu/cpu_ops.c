@@ -1061,11 +1061,16 @@ static OrtStatus *attention_create(const OrtCustomOp *op, const OrtApi *ort, con
     return new_kernel("PagedAttention", sizeof(attention_kernel), read_attention, info, kernel_out);
 }
 
+/* NULL, or what is wrong with a gated MLP's `activation` attribute (SwiGLU, SwiGLUMatMul). */
+static const char *activation_problem(int64_t activation) {
+    return activation != LLMC_ACT_SILU && activation != LLMC_ACT_GELU_TANH
+               ? "attribute activation must be 0 (SiLU) or 1 (GELU, tanh approximation)" : NULL;
+}
+
 static const char *read_swiglu(const OrtKernelInfo *info, void *kernel) {
     int64_t *activation = kernel;
     read_int(info, "activation", LLMC_ACT_SILU, activation);
-    return *activation != LLMC_ACT_SILU && *activation != LLMC_ACT_GELU_TANH
-               ? "attribute activation must be 0 (SiLU) or 1 (GELU, tanh approximation)" : NULL;
+    return activation_problem(*activation);
 }
 
 static OrtStatus *swiglu_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
@@ -1088,8 +1093,8 @@ static const char *read_linear(const OrtKernelInfo *info, const char *prefix, li
     read_int(info, name[3], 0, &k->zero_points);
     read_float(info, name[4], 1e-6f, &k->epsilon);
     read_int(info, name[5], LLMC_ACT_SILU, &k->activation);
-    if (k->activation != LLMC_ACT_SILU && k->activation != LLMC_ACT_GELU_TANH)
-        return "attribute activation must be 0 (SiLU) or 1 (GELU, tanh approximation)";
+    if (activation_problem(k->activation) != NULL)
+        return activation_problem(k->activation);
     if (k->n <= 0)
         return "attribute n (output columns) must be positive";
     if (k->format < LLMC_FORMAT_FP32 || k->format > LLMC_FORMAT_INT6)
