@@ -272,26 +272,39 @@ class _EngineScorer:
 
 
 class _HFScorer:
-    """The same through transformers (fp32): the window in one forward pass of the decoder, the
-    LM head per chunk of chosen positions."""
+    """The same through transformers (fp32): the window in one forward pass of the decoder, then
+    per chunk of chosen positions the model's own forward from those hidden states, so the head is
+    followed by what each family does after it (Gemma 2's final softcap, Granite's logits scaling)."""
 
     kind = "transformers"
 
     def __init__(self, model):
         self.model = model
-        self.body = model.base_model
-        self.head = model.get_output_embeddings()
         self.vocab_size = model.config.vocab_size
 
     def window(self, tokens: np.ndarray, need: np.ndarray, chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         import torch
+        from transformers.modeling_outputs import BaseModelOutputWithPast
 
+        class Given(torch.nn.Module):  # stands in for the decoder: the hidden states already computed
+            def forward(self, **_):
+                return BaseModelOutputWithPast(last_hidden_state=rows)
+
+        prefix, body = self.model.base_model_prefix, self.model.base_model
         with torch.no_grad():
-            hidden = self.body(input_ids=torch.from_numpy(tokens[None, :])).last_hidden_state[0]
-            for start, stop in _chunks(len(tokens), chunk):
-                sel = need[(need >= start) & (need < stop)]
-                logits = self.head(hidden[torch.from_numpy(sel)]).float().numpy()
-                yield sel, logits
+            hidden = body(input_ids=torch.from_numpy(tokens[None, :])).last_hidden_state
+            try:
+                setattr(self.model, prefix, Given())
+                for start, stop in _chunks(len(tokens), chunk):
+                    sel = need[(need >= start) & (need < stop)]
+                    if not sel.size:  # a chunk of context only: the engine's scorer yields it too
+                        yield sel, np.empty((0, self.vocab_size), np.float32)
+                        continue
+                    rows = hidden[:, torch.from_numpy(sel)]
+                    logits = self.model(input_ids=torch.zeros((1, sel.size), dtype=torch.long)).logits[0]
+                    yield sel, logits.float().numpy()
+            finally:
+                setattr(self.model, prefix, body)
 
 
 def _open_engine(engine, context: int | None, threads: int | None):
