@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmc.compiler.frontend import load_hf_model, model_spec_from_config, read_config
+from llmc.compiler.frontend import FAMILIES, load_hf_model, model_spec_from_config, read_config
 from llmc.compiler.recipes import materialize
 from llmc.errors import ModelError
 
@@ -78,9 +78,36 @@ def test_gemma_configs_read_as_transformers_reads_them(recipe, hub_keys):
         model_spec_from_config({**config, "use_bidirectional_attention": True})
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitnet", "fp8"])
+def test_a_quantized_checkpoint_is_refused_naming_the_fix(method):
+    # Its packed tensors would otherwise be refused one by one as tensors config.json has no place for.
+    config = _config("tiny-llama", quantization_config={"quant_method": method, "bits": 4})
+    with pytest.raises(ModelError, match=f"quantized checkpoint .*quant_method '{method}'.*pass the unquantized"):
+        model_spec_from_config(config)
+
+
 def test_mistral_windows_every_layer_whatever_layer_types_says():
     spec = model_spec_from_config(_config("tiny-mistral", layer_types=["full_attention", "full_attention"]))
     assert [spec.window(i) for i in range(spec.num_layers)] == [16, 16]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_each_record_reads_windows_as_its_transformers_code_does(family):
+    """Family.windows against the family's modeling code: whether it reads sliding_window, and
+    whether per layer (layer_types) or on every layer."""
+    import importlib
+    import inspect
+
+    import transformers
+
+    source = inspect.getsource(importlib.import_module(getattr(transformers, family.architecture).__module__))
+    reads = "layer_types" if "layer_types" in source else "every_layer" if "sliding_window" in source else "none"
+    assert family.windows == reads
+
+
+def test_a_window_the_family_never_reads_is_not_applied():
+    spec = model_spec_from_config(_config("tiny-llama", sliding_window=8))  # LlamaConfig keeps the key; Llama ignores it
+    assert spec.sliding_window is None and [spec.window(i) for i in range(spec.num_layers)] == [0, 0]
 
 
 def test_bad_layer_types_is_one_line():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from llmc.compiler.unsupported import MISSING_FEATURES
 from llmc.errors import ModelError, first_line
 from llmc.contract.model_spec import ModelSpec
 
@@ -30,28 +31,25 @@ class Family:
     name: str  # ModelSpec.family
     architecture: str  # the transformers class
     model_type: str  # config.json's
-    # Which layers attend within sliding_window: "all" of them whatever layer_types says (Mistral,
-    # Phi-3; none where the config has no window); "switched": only with use_sliding_window, per
-    # layer_types or the family's own rule (Qwen2/3's max_window_layers, SmolLM3's NoPE layers);
-    # "pattern": layer_types, else all but every `full_every`-th (Gemma 2 alternates; Gemma 3's
-    # sliding_window_pattern, 6 by default).
-    windows: Literal["all", "switched", "pattern"] = "all"
-    full_every: int = 0
+    # How the family's transformers code reads sliding_window: not at all ("none"), on every layer
+    # ("every_layer": Mistral, Phi-3, StarCoder2, even where config.json lists layer_types), or on
+    # the layers layer_types names, which its config class derives when config.json has none.
+    windows: Literal["none", "every_layer", "layer_types"] = "none"
     gated_mlp: bool = True  # down(act(gate(x)) * up(x)); False: fc2(act(fc1(x))) (StarCoder2)
 
 
 FAMILIES = (
     Family("llama", "LlamaForCausalLM", "llama"),
-    Family("mistral", "MistralForCausalLM", "mistral"),
-    Family("qwen2", "Qwen2ForCausalLM", "qwen2", windows="switched"),
-    Family("qwen3", "Qwen3ForCausalLM", "qwen3", windows="switched"),
-    Family("phi3", "Phi3ForCausalLM", "phi3"),
+    Family("mistral", "MistralForCausalLM", "mistral", windows="every_layer"),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", windows="layer_types"),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", windows="layer_types"),
+    Family("phi3", "Phi3ForCausalLM", "phi3", windows="every_layer"),
     Family("olmo2", "Olmo2ForCausalLM", "olmo2"),
-    Family("smollm3", "SmolLM3ForCausalLM", "smollm3", windows="switched"),
+    Family("smollm3", "SmolLM3ForCausalLM", "smollm3", windows="layer_types"),
     Family("granite", "GraniteForCausalLM", "granite"),
-    Family("gemma2", "Gemma2ForCausalLM", "gemma2", windows="pattern", full_every=2),
-    Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", windows="pattern", full_every=6),
-    Family("starcoder2", "Starcoder2ForCausalLM", "starcoder2", gated_mlp=False),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2", windows="layer_types"),
+    Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", windows="layer_types"),
+    Family("starcoder2", "Starcoder2ForCausalLM", "starcoder2", gated_mlp=False, windows="every_layer"),
     Family("ernie4_5", "Ernie4_5ForCausalLM", "ernie4_5"),
     # Families that took nothing new: their differences (LayerNorm, partial or interleaved RoPE,
     # QK-norm, norms after each block, squared-ReLU MLPs, layers without RoPE) are ops the pipeline
@@ -64,7 +62,18 @@ FAMILIES = (
     Family("nemotron", "NemotronForCausalLM", "nemotron", gated_mlp=False),
     Family("arcee", "ArceeForCausalLM", "arcee", gated_mlp=False),
     Family("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", "hunyuan_v1_dense"),
-    Family("exaone4", "Exaone4ForCausalLM", "exaone4", windows="pattern", full_every=4),
+    Family("exaone4", "Exaone4ForCausalLM", "exaone4", windows="layer_types"),
+    Family("gemma", "GemmaForCausalLM", "gemma"),
+    Family("cohere", "CohereForCausalLM", "cohere"),
+    Family("cohere2", "Cohere2ForCausalLM", "cohere2", windows="layer_types"),
+    Family("olmo3", "Olmo3ForCausalLM", "olmo3", windows="layer_types"),
+    Family("ministral", "MinistralForCausalLM", "ministral", windows="layer_types"),
+    Family("ministral3", "Ministral3ForCausalLM", "ministral3", windows="every_layer"),
+    Family("vaultgemma", "VaultGemmaForCausalLM", "vaultgemma", windows="layer_types"),
+    Family("hyperclovax", "HyperCLOVAXForCausalLM", "hyperclovax"),
+    Family("nanochat", "NanoChatForCausalLM", "nanochat", gated_mlp=False),
+    Family("jais2", "Jais2ForCausalLM", "jais2", gated_mlp=False),
+    Family("seed_oss", "SeedOssForCausalLM", "seed_oss"),
 )
 SUPPORTED_ARCHITECTURES = {f.architecture: f for f in FAMILIES}
 _FAMILY_OF_TYPE = {f.model_type: f for f in FAMILIES}  # transformers loads a config without architectures by it
@@ -119,19 +128,6 @@ def read_config(folder: Path) -> dict[str, Any]:
         raise ModelError(f"cannot read {folder / 'config.json'}: {exc}; is the model folder complete?") from None
 
 
-# Architectures people run on CPUs that llmc does not build yet (model_type -> class, what each
-# needs beyond the shared structure; docs/families.md): the refusal names it.
-MISSING_FEATURES = {
-    "gemma3": ("Gemma3ForConditionalGeneration", "vision tower (its text model alone, Gemma3ForCausalLM, builds)"),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "mixture-of-experts layers"),
-    "mixtral": ("MixtralForCausalLM", "mixture-of-experts layers"),
-    "gpt_oss": ("GptOssForCausalLM", "mixture-of-experts layers and attention sinks"),
-    "deepseek_v3": ("DeepseekV3ForCausalLM", "multi-head latent attention and mixture-of-experts layers"),
-    "qwen3_next": ("Qwen3NextForCausalLM", "linear-attention (Gated DeltaNet) and mixture-of-experts layers"),
-    "falcon_h1": ("FalconH1ForCausalLM", "state-space (Mamba-2) layers"),
-    "jamba": ("JambaForCausalLM", "state-space (Mamba) and mixture-of-experts layers"),
-    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "state-space (Mamba-2) and mixture-of-experts layers"),
-}
 # RoPE types whose frequencies are fixed at build time, or made per row at export (longrope,
 # dynamic: see llmc.compiler.rope).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
@@ -147,7 +143,7 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
         got = ", ".join(archs) if archs else f"model_type={config.get('model_type')!r}"
         lacks = next((what for model_type, (cls, what) in MISSING_FEATURES.items()
                       if cls in archs or model_type == config.get("model_type")), None)
-        why = f" (llmc lacks its {lacks})" if lacks else ""
+        why = f" (llmc lacks {lacks})" if lacks else ""
         raise ModelError(
             f"unsupported architecture {got}{why}; llmc supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
@@ -161,13 +157,18 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     hidden = config["hidden_size"]
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    window = config.get("sliding_window")
-    if family.windows == "switched" and not config.get("use_sliding_window", False):
-        window = None
+    _check_layer_types(config.get("layer_types"), config["num_hidden_layers"])  # transformers' own message names no layer
+    derived = _transformers_config(config)
+    if isinstance(config.get("quantization_config"), dict):
+        method = config["quantization_config"].get("quant_method", "unnamed")
+        raise ModelError(f"config.json holds a quantized checkpoint (quantization_config, quant_method {method!r}); "
+                         "llmc builds from fp32/bf16/fp16 weights and quantizes them itself: pass the unquantized "
+                         "model and --quant int8 or int4")
     if config.get("use_bidirectional_attention"):
         raise ModelError("config.json sets use_bidirectional_attention (an embedding model, not a decoder); "
                          "llmc builds causal language models")
-    rope_theta, rope_scaling, local_theta = _rope(config, family.name)
+    rope_theta, rope_scaling, local_theta = _rope(derived)
+    window, layer_types = _windows(derived, family, config["num_hidden_layers"])
     return ModelSpec(
         family=family.name,
         architecture=family.architecture,
@@ -185,8 +186,8 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
         activation=config.get("hidden_activation") or config.get("hidden_act", "silu"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,
-        sliding_window=int(window) if window else None,
-        layer_types=_layer_types(config, family, window),
+        sliding_window=window,
+        layer_types=layer_types,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
         rope_local_theta=local_theta,
@@ -195,34 +196,41 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     )
 
 
-def _rope(config: dict[str, Any], family: str) -> tuple[float, dict[str, Any] | None, float | None]:
-    """(base, scaling, the sliding layers' base where it differs): from rope_parameters as
-    transformers 5 writes it (nested by layer type for Gemma 3), or rope_theta / rope_scaling /
-    rope_local_base_freq as older checkpoints hold them."""
-    params = config.get("rope_parameters") or {}
-    local_theta = None
-    if family == "gemma3":  # Gemma3TextConfig's defaults: global base 1M, local 10k
-        if "full_attention" in params or "sliding_attention" in params:
-            local = params.get("sliding_attention") or {}
-            params = {"rope_theta": 1000000.0, **(params.get("full_attention") or {})}
-            _check_rope_type(local.get("rope_type", "default"))
-            local_theta = float(local.get("rope_theta", 10000.0))
-        else:
-            local_theta = float(config.get("rope_local_base_freq", 10000.0))
-            params = {"rope_theta": config.get("rope_theta", 1000000.0), **(config.get("rope_scaling") or {})}
-    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
-    scaling = config.get("rope_scaling")
-    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
-        scaling = params
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    _check_rope_type(kind)
-    if kind == "longrope":  # older Phi-3 configs keep the boundary beside rope_scaling
-        boundary = scaling.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+def _transformers_config(config: dict[str, Any]):
+    """transformers' config object for config.json: what each family derives from its keys (which
+    layers attend in a window, RoPE per layer kind, old keys in their transformers 5 form) is then
+    read as transformers reads it, not re-derived here."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoConfig.for_model(config["model_type"], **fields)
+    except Exception as exc:  # transformers' own validation of the values: one line, naming it
+        raise ModelError(f"config.json is not a valid {config['model_type']} config ({first_line(exc)}); "
+                         "fix config.json") from None
+
+
+def _rope(derived) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(base, scaling, the sliding layers' base where it differs) from transformers 5's
+    rope_parameters, nested by layer kind where the kinds rotate differently (Gemma 3, OLMo 3)."""
+    params = dict(getattr(derived, "rope_parameters", None) or {})
+    local = None
+    if params.keys() & set(LAYER_TYPES):
+        local = params.get("sliding_attention")
+        params = dict(params.get("full_attention") or local)
+    for each in (params, local or {}):
+        _check_rope_type(each.get("rope_type", "default"))
+    theta = float(params.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", "default")
+    if kind == "longrope":
+        boundary = params.get("original_max_position_embeddings")
         if not isinstance(boundary, int) or boundary < 1:
             raise ModelError("a longrope config needs original_max_position_embeddings (a positive integer); "
                              "fix config.json")
-        scaling = {**scaling, "original_max_position_embeddings": boundary}
-    return float(theta), scaling, local_theta
+    local_theta = float(local["rope_theta"]) if local and float(local.get("rope_theta", theta)) != theta else None
+    return theta, (params if kind != "default" else None), local_theta
 
 
 def _check_rope_type(kind: str) -> None:
@@ -230,26 +238,25 @@ def _check_rope_type(kind: str) -> None:
         raise ModelError(f"rope type {kind!r} is not supported; llmc supports {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
-def _layer_types(config: dict[str, Any], family: Family, window: int | None) -> tuple[str, ...]:
-    """Which layers attend within the window, as transformers decides it (Family.windows); () when
-    all layers do."""
-    if not window or family.windows == "all":
-        return ()
-    layers = config["num_hidden_layers"]
-    types = config.get("layer_types")
-    if types is None and family.windows == "pattern":
-        every = config.get("sliding_window_pattern", family.full_every)
-        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
-    elif types is None and family.name == "smollm3":  # SmolLM3Config: the layers without RoPE attend in the window
-        no_rope = config.get("no_rope_layers") or [1] * layers
-        types = ["full_attention" if uses_rope else "sliding_attention" for uses_rope in no_rope]
-    elif types is None:  # Qwen2Config's and Qwen3Config's rule: the first max_window_layers attend in full
-        first_windowed = config.get("max_window_layers", 28)
-        types = ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+def _check_layer_types(types, layers: int) -> None:
+    if types is not None and (not isinstance(types, list) or len(types) != layers
+                              or any(t not in LAYER_TYPES for t in types)):
         raise ModelError(f"config.json layer_types must list one of {', '.join(LAYER_TYPES)} for each of the "
                          f"{layers} layers (got {types!r}); fix config.json")
-    return () if all(t == "sliding_attention" for t in types) else tuple(types)
+
+
+def _windows(derived, family: Family, layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding window, which layers attend within it; () when all do) as the family's code reads
+    them from transformers' config: Qwen2's use_sliding_window and max_window_layers, Gemma's
+    patterns and SmolLM3's NoPE layers are in the layer_types its config class derives."""
+    window = getattr(derived, "sliding_window", None)
+    if not window or family.windows == "none":
+        return None, ()
+    types = getattr(derived, "layer_types", None)
+    if family.windows == "every_layer" or types is None:
+        return int(window), ()
+    _check_layer_types(types, layers)
+    return int(window), (() if all(t == "sliding_attention" for t in types) else tuple(types))
 
 
 def load_checkpoint(folder: Path, spec: ModelSpec):

@@ -188,7 +188,7 @@ def _reinit(model, init_std: float, gen) -> None:
     with torch.no_grad():
         for module in model.modules():
             is_norm = isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith(
-                "RMSNorm"
+                ("RMSNorm", "LayerNorm")  # Cohere's LayerNorm is its own class
             )
             for pname, p in module.named_parameters(recurse=False):
                 if id(p) in done:
