@@ -20,7 +20,7 @@ CPU = "llmc/plugins/cpu/"
 
 setup(ext_modules=[Extension(
     "llmc.plugins.cpu._cpu_ops",
-    sources=[CPU + "attention.c", CPU + "linear.c", CPU + "quant.c", CPU + "quantize.c", CPU + "cpu_ops.c"],
+    sources=[CPU + "attention.c", CPU + "linear.c", CPU + "quant.c", CPU + "quantize.c", CPU + "experts.c", CPU + "cpu_ops.c"],
     depends=[CPU + "kernels.h", CPU + "simd.h", CPU + "ort_abi.h"],
     # -fopenmp-simd honours the `omp simd` loops without linking an OpenMP runtime (ORT owns the
     # threads); -ffp-contract=fast because -std=c11 otherwise forbids fusing `a += x * w` into one

@@ -369,6 +369,45 @@ def test_swiglu_kernel(rows, activation):
     np.testing.assert_allclose(out, _gated(x[..., :24], x[..., 24:], activation), rtol=1e-6, atol=1e-6)
 
 
+def _experts_reference(x, ids, weights, gate_up, down, activation):
+    """transformers' experts: per token, its chosen experts' gated MLPs weighted and summed (float64)."""
+    inter, out = down.shape[2], np.zeros(x.shape, np.float64)
+    for t, (chosen, w) in enumerate(zip(ids, weights)):
+        for e, we in zip(chosen, w):
+            h = gate_up[e].astype(np.float64) @ x[t]
+            out[t] += we * (down[e].astype(np.float64) @ _gated(h[:inter], h[inter:], activation))
+    return out
+
+
+@pytest.mark.parametrize("activation", [cpu.ACT_SILU, cpu.ACT_GELU_TANH])
+@pytest.mark.parametrize("packed", [0, 1])
+@pytest.mark.parametrize("tokens,top_k,experts,hidden,inter", [(1, 2, 8, 64, 32), (5, 3, 8, 64, 40),
+                                                               (37, 8, 64, 96, 40), (3, 1, 4, 33, 17)])
+def test_experts_kernel_matches_numpy(tokens, top_k, experts, hidden, inter, packed, activation):
+    """Decode (1 row), a few rows, a prefill chunk choosing most of 64 experts, sizes off the 32-column
+    panels; the weights as the checkpoint holds them and packed."""
+    rng = np.random.default_rng(tokens)
+    x = rng.standard_normal((tokens, hidden), np.float32)
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int64)
+    weights = rng.random((tokens, top_k), np.float32)
+    gate_up = (0.1 * rng.standard_normal((experts, 2 * inter, hidden))).astype(np.float32)
+    down = (0.1 * rng.standard_normal((experts, hidden, inter))).astype(np.float32)
+    stacks = (cpu.pack_experts(gate_up), cpu.pack_experts(down)) if packed else (gate_up, down)
+    session = _session("Experts", ["x", "ids", "w", "gate_up", "down"], ["y"], {"ids": TensorProto.INT64},
+                       activation=activation, packed=packed)
+    out, = session.run(None, {"x": x, "ids": ids, "w": weights, "gate_up": stacks[0], "down": stacks[1]})
+    np.testing.assert_allclose(out, _experts_reference(x, ids, weights, gate_up, down, activation), rtol=1e-5,
+                               atol=2e-6)
+
+
+def test_experts_kernel_refuses_an_expert_id_out_of_range():
+    session = _session("Experts", ["x", "ids", "w", "gate_up", "down"], ["y"], {"ids": TensorProto.INT64})
+    feeds = {"x": np.ones((2, 8), np.float32), "ids": np.array([[0], [4]], np.int64), "w": np.ones((2, 1), np.float32),
+             "gate_up": np.ones((4, 6, 8), np.float32), "down": np.ones((4, 8, 3), np.float32)}
+    with pytest.raises(Exception, match="Experts: an expert id is outside"):
+        session.run(None, feeds)
+
+
 def test_an_unknown_activation_is_refused_in_one_line():
     with pytest.raises(Exception, match="attribute activation must be 0 \\(SiLU\\) or 1"):
         _session("SwiGLU", ["x"], ["y"], activation=7)

@@ -284,15 +284,15 @@ class _HFScorer:
 
     def window(self, tokens: np.ndarray, need: np.ndarray, chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         import torch
-        from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        class Given(torch.nn.Module):  # stands in for the decoder: the hidden states already computed
+        class Given(torch.nn.Module):  # stands in for the decoder: its output, already computed, cut to `rows`
             def forward(self, **_):
-                return BaseModelOutputWithPast(last_hidden_state=rows)
+                return type(body_out)(**{**body_out, "last_hidden_state": rows})
 
         prefix, body = self.model.base_model_prefix, self.model.base_model
         with torch.no_grad():
-            hidden = body(input_ids=torch.from_numpy(tokens[None, :])).last_hidden_state
+            body_out = body(input_ids=torch.from_numpy(tokens[None, :]))
+            hidden = body_out.last_hidden_state
             try:
                 setattr(self.model, prefix, Given())
                 for start, stop in _chunks(len(tokens), chunk):

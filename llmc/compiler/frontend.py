@@ -63,6 +63,9 @@ FAMILIES = (
     Family("arcee", "ArceeForCausalLM", "arcee", gated_mlp=False),
     Family("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", "hunyuan_v1_dense"),
     Family("exaone4", "Exaone4ForCausalLM", "exaone4", windows="layer_types"),
+    # Mixture of experts: the router as ops, each layer's experts one llmc.cpu::Experts (compiler/experts.py).
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", windows="every_layer"),
+    Family("mixtral", "MixtralForCausalLM", "mixtral", windows="every_layer"),
     Family("gemma", "GemmaForCausalLM", "gemma"),
     Family("cohere", "CohereForCausalLM", "cohere"),
     Family("cohere2", "Cohere2ForCausalLM", "cohere2", windows="layer_types"),
@@ -193,6 +196,10 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
         rope_local_theta=local_theta,
         attn_logit_softcap=float(config.get("attn_logit_softcapping") or 0.0),
         final_logit_softcap=float(config.get("final_logit_softcapping") or 0.0),
+        # The hub's Qwen3-MoE configs say num_experts, transformers 5 and Mixtral num_local_experts.
+        num_experts=int(config.get("num_experts") or config.get("num_local_experts") or 0),
+        experts_per_token=int(config.get("num_experts_per_tok") or 0),
+        expert_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
     )
 
 
@@ -265,16 +272,37 @@ def load_checkpoint(folder: Path, spec: ModelSpec):
     from llmc.compiler import weights
 
     if weights.has_safetensors(folder):
-        stored = weights.SafetensorsWeights(folder)
+        stored = weights.with_expert_stacks(weights.SafetensorsWeights(folder))
         implied, held = spec.parameter_count(), stored.parameter_count()
         if implied > 1.25 * held:  # before building a module of that size
             raise ModelError(f"config.json describes a model of {implied:,} parameters but the checkpoint in {folder} "
                              f"holds {held:,}; config.json is not this checkpoint's (or is damaged): fix it")
-        model = skeleton_model(folder)
+        model = _with_llmc_experts(skeleton_model(folder))
         _check_tensors(model, stored, folder)
         return model, stored
-    model = load_hf_model(folder)
+    model = _with_llmc_experts(load_hf_model(folder))
     return model, weights.StateDictWeights(model.state_dict())
+
+
+def _with_llmc_experts(model):
+    """A mixture-of-experts model with its experts run by llmc's op (compiler/experts.py), which
+    exports as one node a layer; refused in one line where its experts are of a form the op lacks."""
+    if not getattr(model, "_can_set_experts_implementation", lambda: False)():
+        return model
+    from llmc.compiler import experts
+    from llmc.plugins import cpu
+
+    modules = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    if not modules:
+        return model
+    if (lacks := experts.unsupported(modules[0])) is not None:
+        raise ModelError(f"{type(model).__name__}'s experts have {lacks}, which llmc's experts kernel lacks")
+    if cpu.library_path() is None:
+        raise ModelError(f"{type(model).__name__}'s experts run on llmc's CPU kernels, which this install lacks; "
+                         f"{cpu.MISSING_HINT}")
+    experts.register()
+    model.set_experts_implementation(experts.NAME)
+    return model
 
 
 def _check_tensors(model, stored, folder: Path) -> None:

@@ -198,7 +198,8 @@ def _reinit(model, init_std: float, gen) -> None:
                     p.normal_(0.0, 0.02, generator=gen)
                 elif is_norm:
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-                elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) or hasattr(module, "top_k") or (
+                        hasattr(module, "gate_up_proj")):  # a MoE router's weight; an experts module's stacks
                     p.normal_(0.0, init_std, generator=gen)
                 else:
                     raise RuntimeError(

@@ -13,6 +13,7 @@ files are pickles that cannot be read a tensor at a time without loading them.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,3 +189,79 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
                              "truncated (an interrupted download?); download it again")
         tensors[name] = StoredTensor(path, dtype, shape, data_start + begin, end - begin)
     return tensors
+
+
+class ExpertStacks(Weights):
+    """A mixture-of-experts checkpoint as transformers 5 names its parameters: each layer's experts
+    stacked, `experts.gate_up_proj` [E, 2 inter, hidden] (gate rows, then up rows) and
+    `experts.down_proj` [E, hidden, inter], made from the per-expert Linears the hub ships
+    (`experts.{e}.gate_proj` / `up_proj` / `down_proj`, or Mixtral's `w1` / `w3` / `w2` under
+    `block_sparse_moe`). Rows of a stacked tensor are experts, so a pass reads a layer's experts a
+    range at a time; every other tensor is the stored one."""
+
+    PER_EXPERT = re.compile(r"(.*)\.experts\.(\d+)\.(\w+)\.weight$")
+    GATE_UP = (("gate_proj", "up_proj"), ("w1", "w3"))
+    DOWN = ("down_proj", "w2")
+    MODULE_RENAMES = ((".block_sparse_moe.", ".mlp."),)  # the hub's module path -> transformers 5's
+
+    def __init__(self, stored: Weights):
+        self.stored = stored
+        self.stacks: dict[str, list[list[str]]] = {}  # stacked name -> per expert, the stored rows to join
+        self.renamed: dict[str, str] = {}
+        by_layer: dict[str, dict[int, dict[str, str]]] = {}
+        for name in stored.names():
+            if m := self.PER_EXPERT.match(name):
+                by_layer.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = name
+            elif (renamed := self._rename(name)) != name:
+                self.renamed[renamed] = name
+        for prefix, experts in by_layer.items():
+            ids = sorted(experts)
+            if ids != list(range(len(ids))):
+                raise ModelError(f"the checkpoint's experts under {prefix} are numbered {ids[0]}..{ids[-1]} with gaps; "
+                                 "the download is incomplete")
+            target = self._rename(f"{prefix}.experts")
+            for parts, stacked in ((gu, "gate_up_proj") for gu in self.GATE_UP):
+                if all(p in experts[e] for e in ids for p in parts):
+                    self.stacks[f"{target}.{stacked}"] = [[experts[e][p] for p in parts] for e in ids]
+            for part in self.DOWN:
+                if all(part in experts[e] for e in ids):
+                    self.stacks[f"{target}.down_proj"] = [[experts[e][part]] for e in ids]
+
+    def _rename(self, name: str) -> str:
+        for old, new in self.MODULE_RENAMES:
+            name = name.replace(old, new)
+        return name
+
+    def names(self) -> list[str]:
+        consumed = {n for rows in self.stacks.values() for parts in rows for n in parts} | set(self.renamed.values())
+        return [n for n in self.stored.names() if n not in consumed] + list(self.renamed) + list(self.stacks)
+
+    def has(self, name: str) -> bool:
+        return name in self.stacks or name in self.renamed or self.stored.has(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.stacks:
+            first = [self.stored.shape(n) for n in self.stacks[name][0]]
+            return (len(self.stacks[name]), sum(s[0] for s in first), *first[0][1:])
+        return self.stored.shape(self.renamed.get(name, name))
+
+    def parameter_count(self) -> int:
+        return self.stored.parameter_count()
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        if name not in self.stacks:
+            return self.stored.read(self.renamed.get(name, name), start, stop)
+        rows = self.stacks[name][start:stop]
+        out = np.empty((len(rows), *self.shape(name)[1:]), np.float32)
+        for e, parts in enumerate(rows):
+            at = 0
+            for part in parts:
+                block = self.stored.read(part)
+                out[e, at:at + len(block)] = block
+                at += len(block)
+        return out
+
+
+def with_expert_stacks(stored: Weights) -> Weights:
+    """`stored`, or where it holds per-expert tensors, the ExpertStacks over it."""
+    return ExpertStacks(stored) if any(ExpertStacks.PER_EXPERT.match(n) for n in stored.names()) else stored

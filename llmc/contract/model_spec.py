@@ -45,6 +45,11 @@ class ModelSpec:
     attn_logit_softcap: float = added(0.0)
     final_logit_softcap: float = added(0.0)
     gated_mlp: bool = added(True)  # gate, up and down projections; False: two (StarCoder2's fc1, fc2)
+    # Mixture of experts (0: a dense model): experts a sparse layer holds, how many each token runs,
+    # and each expert's intermediate size.
+    num_experts: int = added(0)
+    experts_per_token: int = added(0)
+    expert_intermediate_size: int = added(0)
 
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:

@@ -172,6 +172,34 @@ class SwiGLUMatMul(Rule):
                                activation=m.act.attributes.get_int("activation", cpu.ACT_SILU))
 
 
+class PackedExperts(Rule):
+    """llmc.cpu::Experts over the stacked weights as the checkpoint holds them -> over each expert
+    packed as a PackedMatMul weight (packed=1), so its two products run on the same tiles."""
+
+    name = "packed_experts"
+
+    def pattern(self, op, x, ids, weights, gate_up, down):
+        return op.Experts(x, ids, weights, gate_up, down, _domain=cpu.DOMAIN, _name="experts")
+
+    def check(self, m):
+        if m.experts.attributes.get_int("packed", 0):
+            return "already packed"
+        stacks = [tensor(m.gate_up), tensor(m.down)]
+        if any(w is None or len(w.dims) != 3 or w.numpy_dtype() != np.float32 for w in stacks):
+            return "the expert weights are not constant 3-D float32 initializers"
+        return None
+
+    def rewrite(self, op, m):
+        stacks = {}
+        for value in (m.gate_up, m.down):
+            w = tensor(value)
+            experts, n, k = w.dims
+            stacks[value.name] = op.initializer(lazy.Lazy(
+                np.float32, (experts, -(-n // cpu.PANEL), k, cpu.PANEL),
+                lambda a, b, w=w: cpu.pack_experts(w.rows(a, b))), f"{value.name}.packed")
+        return op.like(m.experts, m.x, m.ids, m.weights, *stacks.values(), packed=1)
+
+
 class PackedMatMuls(RulePass):
     name = "packed-matmul"
     description = ("run constant-weight MatMuls on llmc's panel-packed kernel (weights stored packed), "
@@ -188,4 +216,5 @@ class PackedMatMuls(RulePass):
         return result
 
     def rules(self, spec: ModelSpec):
-        return [PackedMatMul(), QuantizedPackedMatMul(), SixteenBitPackedMatMul(), SkipRMSNormMatMul(), SwiGLUMatMul()]
+        return [PackedMatMul(), QuantizedPackedMatMul(), SixteenBitPackedMatMul(), SkipRMSNormMatMul(), SwiGLUMatMul(),
+                PackedExperts()]

@@ -25,9 +25,11 @@ import onnx_ir as ir
 
 from llmc.contract import graph_io as io
 from llmc.contract.model_spec import ModelSpec
+from llmc.errors import LlmcError
 from llmc.passes.manager import Pass, PassResult
 from llmc.passes.graph import const_ints, producer, rotary, shared_rotary
 from llmc.passes.rewrite import Rule, RulePass, rotary_operands
+from llmc.plugins import cpu
 from llmc.plugins import paged_attention as pa
 
 PLUGIN_DOMAIN = pa.DOMAIN
@@ -65,6 +67,12 @@ class TensorRTPlugin(RulePass):
 
     def rules(self, spec: ModelSpec):
         return [PluginNode()]
+
+    def apply(self, model: ir.Model, spec: ModelSpec):
+        if any(n.domain == cpu.DOMAIN and n.op_type == "Experts" for n in model.graph):
+            raise LlmcError("the TensorRT backend has no plugin for mixture-of-experts layers (llmc.cpu::Experts) "
+                            "yet; build this model with --backend onnxruntime")
+        return super().apply(model, spec)
 
     def finish(self, model: ir.Model, spec: ModelSpec, counts) -> None:
         # TensorRT's parser inlines a model-local function before it looks for a plugin, so the op's

@@ -83,3 +83,12 @@ def pack_weight(w):
         out[full] = 0
         out[full, :, :n - full * PANEL] = w[:, full * PANEL:]
     return out
+
+
+def pack_experts(w):
+    """Stacked expert weights as the checkpoint holds them, [E, N, K] (each a Linear's [out, in]),
+    -> each expert packed as pack_weight packs a [K, N] weight: [E, ceil(N / PANEL), K, PANEL],
+    what llmc.cpu::Experts reads with packed=1."""
+    import numpy as np
+
+    return np.stack([pack_weight(expert.T) for expert in w])

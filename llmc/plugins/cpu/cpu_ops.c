@@ -1,6 +1,6 @@
 /* ONNX Runtime custom-op library: domain "llmc.cpu", ops PagedAttention, SwiGLU, PackedMatMul
- * (optionally with each row's argmax), SkipRMSNormMatMul, SwiGLUMatMul, and DecoderLayer (a
- * layer's five of them as one node).
+ * (optionally with each row's argmax), SkipRMSNormMatMul, SwiGLUMatMul, DecoderLayer (a
+ * layer's five of them as one node) and Experts (a mixture-of-experts layer's experts).
  * ORT calls RegisterCustomOps when a session registers this library; the kernels then run on
  * ORT's intra-op thread pool (KernelContext_ParallelFor), so they share its threads and spinning
  * settings instead of bringing threads of their own. */
@@ -325,6 +325,102 @@ static OrtStatus *swiglu_compute(void *state, OrtKernelContext *ctx) {
     TRY(data(x.value, (void **)&in));
     TRY(output(ctx, 0, dims, x.rank, (void **)&out));
     return swiglu_rows(ctx, in, out, dims[x.rank - 1], rows, *activation);
+}
+
+/* -- Experts ----------------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t activation, packed;
+} experts_kernel;
+
+typedef struct {
+    const llmc_experts *a;
+    int down; /* the phase: up products, or down products */
+    int64_t groups, groups_per_task, tasks_per_expert;
+} experts_job;
+
+static void experts_one(void *arg, size_t task) {
+    const experts_job *job = arg;
+    int64_t u = (int64_t)task / job->tasks_per_expert;
+    int64_t g0 = (int64_t)task % job->tasks_per_expert * job->groups_per_task, g1 = g0 + job->groups_per_task;
+    int64_t e = job->a->used[u];
+    (job->down ? llmc_experts_down : llmc_experts_up)(job->a, e, g0, g1 < job->groups ? g1 : job->groups);
+}
+
+/* One phase's products: each chosen expert's columns in groups, about 4 tasks per CPU in all. */
+static OrtStatus *experts_products(OrtKernelContext *ctx, const llmc_experts *a, int down) {
+    experts_job job = {.a = a, .down = down, .groups = llmc_experts_groups(down ? a->hidden : 2 * a->inter)};
+    int64_t want = 4 * llmc_cpus(), per_expert = (want + a->num_used - 1) / a->num_used;
+    job.groups_per_task = (job.groups + per_expert - 1) / per_expert;
+    job.tasks_per_expert = (job.groups + job.groups_per_task - 1) / job.groups_per_task;
+    return parallel(ctx, experts_one, (size_t)(a->num_used * job.tasks_per_expert), &job);
+}
+
+static void experts_combine_one(void *arg, size_t task) {
+    const llmc_experts *a = arg;
+    int64_t t0 = (int64_t)task * 8, t1 = t0 + 8;
+    llmc_experts_combine(a, t0, t1 < a->tokens ? t1 : a->tokens);
+}
+
+static OrtStatus *experts_compute(void *state, OrtKernelContext *ctx) {
+    const experts_kernel *k = state;
+    tensor x, ids, weights, gate_up, down;
+    TRY(input(ctx, 0, &x));
+    TRY(input(ctx, 1, &ids));
+    TRY(input(ctx, 2, &weights));
+    TRY(input(ctx, 3, &gate_up));
+    TRY(input(ctx, 4, &down));
+    size_t w_rank = k->packed ? 4 : 3;
+    if (x.rank != 2 || ids.rank != 2 || weights.rank != 2 || gate_up.rank != w_rank || down.rank != w_rank)
+        return error("Experts", "x must be [tokens, hidden], ids and weights [tokens, top_k], the expert weights "
+                                "[experts, 2 inter, hidden] and [experts, hidden, inter] (packed: 4-D panels)");
+    llmc_experts a = {.tokens = x.dims[0], .top_k = ids.dims[1], .hidden = x.dims[1], .experts = gate_up.dims[0],
+                      .packed = (int)k->packed, .activation = (int)k->activation};
+    a.inter = down.dims[2];
+    int64_t gate_up_rows = k->packed ? gate_up.dims[1] * LLMC_PANEL : gate_up.dims[1];
+    int shapes_agree = ids.dims[0] == a.tokens && weights.dims[0] == a.tokens && weights.dims[1] == a.top_k &&
+                       down.dims[0] == a.experts && a.top_k > 0 && a.experts > 0 &&
+                       (k->packed ? gate_up.dims[2] == a.hidden && gate_up.dims[3] == LLMC_PANEL &&
+                                        gate_up.dims[1] == llmc_experts_groups(2 * a.inter) &&
+                                        down.dims[1] == llmc_experts_groups(a.hidden) && down.dims[3] == LLMC_PANEL
+                                  : gate_up.dims[2] == a.hidden && gate_up_rows == 2 * a.inter &&
+                                        down.dims[1] == a.hidden);
+    if (x.type != ORT_FLOAT || ids.type != ORT_INT64 || weights.type != ORT_FLOAT || gate_up.type != ORT_FLOAT ||
+        down.type != ORT_FLOAT || !shapes_agree)
+        return error("Experts", "inputs disagree: x [tokens, hidden] float32, ids [tokens, top_k] int64, weights "
+                                "[tokens, top_k] float32, gate_up and down float32 of one expert count and sizes");
+    TRY(data(x.value, (void **)&a.x));
+    TRY(data(ids.value, (void **)&a.ids));
+    TRY(data(weights.value, (void **)&a.weights));
+    TRY(data(gate_up.value, (void **)&a.gate_up));
+    TRY(data(down.value, (void **)&a.down));
+    int64_t dims[2] = {a.tokens, a.hidden};
+    TRY(output(ctx, 0, dims, 2, (void **)&a.out));
+    if (a.tokens == 0)
+        return NULL;
+    int64_t pairs = a.tokens * a.top_k;
+    size_t ints = (size_t)(2 * a.experts + 1 + 2 * pairs), floats = (size_t)(pairs * (2 * a.hidden + 3 * a.inter));
+    int64_t *scratch = malloc(ints * sizeof(int64_t) + floats * sizeof(float));
+    if (scratch == NULL)
+        return error("Experts", "out of memory for the step's expert rows");
+    a.start = scratch;
+    a.used = a.start + a.experts + 1;
+    a.slot = a.used + a.experts;
+    a.row_of = a.slot + pairs;
+    a.rows = (float *)(a.row_of + pairs);
+    a.gate_up_out = a.rows + pairs * a.hidden;
+    a.act = a.gate_up_out + pairs * 2 * a.inter;
+    a.down_out = a.act + pairs * a.inter;
+    const char *problem = llmc_experts_plan(&a);
+    OrtStatus *status = problem != NULL ? error("Experts", problem) : experts_products(ctx, &a, 0);
+    if (status == NULL)
+        status = swiglu_rows(ctx, a.gate_up_out, a.act, a.inter, pairs, a.activation);
+    if (status == NULL)
+        status = experts_products(ctx, &a, 1);
+    if (status == NULL)
+        status = parallel(ctx, experts_combine_one, (size_t)((a.tokens + 7) / 8), &a);
+    free(scratch);
+    return status;
 }
 
 /* -- PackedMatMul ------------------------------------------------------------------------------ */
@@ -1080,6 +1176,22 @@ static OrtStatus *swiglu_create(const OrtCustomOp *op, const OrtApi *ort, const 
     return new_kernel("SwiGLU", sizeof(int64_t), read_swiglu, info, kernel_out);
 }
 
+static const char *read_experts(const OrtKernelInfo *info, void *kernel) {
+    experts_kernel *k = kernel;
+    read_int(info, "activation", LLMC_ACT_SILU, &k->activation);
+    read_int(info, "packed", 0, &k->packed);
+    if (k->packed != 0 && k->packed != 1)
+        return "attribute packed must be 0 (weights as the checkpoint holds them) or 1 (panels)";
+    return activation_problem(k->activation);
+}
+
+static OrtStatus *experts_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
+                                 void **kernel_out) {
+    (void)op;
+    (void)ort;
+    return new_kernel("Experts", sizeof(experts_kernel), read_experts, info, kernel_out);
+}
+
 /* A packed GEMM's attributes, each name after `prefix` (DecoderLayer's four GEMMs have one each);
  * NULL or what is wrong with them. */
 static const char *read_linear(const OrtKernelInfo *info, const char *prefix, linear_kernel *k) {
@@ -1245,7 +1357,10 @@ static void define(op_description *d, const char *name, create_fn create, comput
     op->GetEndVersion = end_version;
 }
 
-static op_description attention_op, swiglu_op, linear_op, norm_linear_op, swiglu_linear_op, layer_op;
+/* Experts' input 1, the chosen ids, is int64; the rest float32. */
+static int32_t experts_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? ORT_INT64 : ORT_FLOAT; }
+
+static op_description attention_op, swiglu_op, linear_op, norm_linear_op, swiglu_linear_op, layer_op, experts_op;
 
 EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(LLMC_ORT_API_SHAPE_REF);
@@ -1275,6 +1390,7 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
                layer_input_kind);
         layer_op.op.GetOutputType = layer_output_type;
         layer_op.op.InferOutputShapeFn = layer_infer;
+        define(&experts_op, "Experts", experts_create, experts_compute, 5, 1, experts_input_type, required);
     }
 
     OrtCustomOpDomain *domain;
@@ -1285,5 +1401,6 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &norm_linear_op.op));
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &swiglu_linear_op.op));
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &layer_op.op));
+    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &experts_op.op));
     return CALL(ORT_AddCustomOpDomain, ort_add_domain_fn, options, domain);
 }

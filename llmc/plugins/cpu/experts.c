@@ -1,0 +1,96 @@
+/* See kernels.h (llmc_experts). A step's (token, slot) pairs are sorted by expert, each expert's
+ * rows gathered into one block, and each chosen expert then runs as two GEMMs over its block:
+ * its weights stream once per step however many of the step's rows chose it, and an expert no
+ * row chose is never read. */
+#include "kernels.h"
+#include "simd.h"
+
+#include <string.h>
+
+const char *llmc_experts_plan(llmc_experts *a) {
+    int64_t pairs = a->tokens * a->top_k;
+    memset(a->start, 0, (size_t)(a->experts + 1) * sizeof *a->start);
+    for (int64_t p = 0; p < pairs; p++) {
+        if (a->ids[p] < 0 || a->ids[p] >= a->experts)
+            return "an expert id is outside [0, number of experts)";
+        a->start[a->ids[p] + 1]++;
+    }
+    for (int64_t e = 0; e < a->experts; e++)
+        a->start[e + 1] += a->start[e];
+    int64_t *next = a->used; /* each expert's next free row; used is filled in below */
+    memcpy(next, a->start, (size_t)a->experts * sizeof *next);
+    for (int64_t p = 0; p < pairs; p++)
+        a->slot[next[a->ids[p]]++] = p;
+    for (int64_t r = 0; r < pairs; r++) {
+        a->row_of[a->slot[r]] = r;
+        memcpy(a->rows + r * a->hidden, a->x + a->slot[r] / a->top_k * a->hidden, (size_t)a->hidden * sizeof(float));
+    }
+    int64_t used = 0;
+    for (int64_t e = 0; e < a->experts; e++)
+        if (a->start[e + 1] > a->start[e])
+            a->used[used++] = e;
+    a->num_used = used;
+    return NULL;
+}
+
+/* y[m, n] = x[m, k] @ w[n, k]^T for columns [c0, c1): an expert's weight as the checkpoint holds it. */
+LLMC_CLONES
+static void rows_times_rows(const float *x, const float *w, float *y, int64_t m, int64_t k, int64_t n, int64_t c0,
+                            int64_t c1) {
+    for (int64_t c = c0; c < c1; c++) {
+        const float *wc = w + c * k;
+        for (int64_t r = 0; r < m; r++) {
+            const float *xr = x + r * k;
+            float acc[16] = {0};
+            int64_t i = 0;
+            for (; i + 16 <= k; i += 16)
+                for (int j = 0; j < 16; j++)
+                    acc[j] += xr[i + j] * wc[i + j];
+            float sum = 0;
+            for (; i < k; i++)
+                sum += xr[i] * wc[i];
+            for (int j = 0; j < 16; j++)
+                sum += acc[j];
+            y[r * n + c] = sum;
+        }
+    }
+}
+
+/* One expert's product over its rows, for column group [g0, g1) of llmc_experts_groups. */
+static void product(const llmc_experts *a, int64_t e, const float *x, const float *w, float *y, int64_t k,
+                    int64_t n, int64_t g0, int64_t g1) {
+    int64_t m = a->start[e + 1] - a->start[e];
+    if (a->packed) {
+        int64_t panels = (n + LLMC_PANEL - 1) / LLMC_PANEL;
+        llmc_linear_panels(x, w + e * panels * k * LLMC_PANEL, y, m, k, n, g0, g1 < panels ? g1 : panels);
+    } else {
+        int64_t c1 = g1 * LLMC_PANEL < n ? g1 * LLMC_PANEL : n;
+        rows_times_rows(x, w + e * n * k, y, m, k, n, g0 * LLMC_PANEL, c1);
+    }
+}
+
+int64_t llmc_experts_groups(int64_t n) { return (n + LLMC_PANEL - 1) / LLMC_PANEL; }
+
+void llmc_experts_up(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1) {
+    int64_t r = a->start[e], n = 2 * a->inter;
+    product(a, e, a->rows + r * a->hidden, a->gate_up, a->gate_up_out + r * n, a->hidden, n, g0, g1);
+}
+
+void llmc_experts_down(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1) {
+    int64_t r = a->start[e];
+    product(a, e, a->act + r * a->inter, a->down, a->down_out + r * a->hidden, a->inter, a->hidden, g0, g1);
+}
+
+/* Tokens [t0, t1): each the sum of its slots' outputs times their weights, slot by slot. */
+void llmc_experts_combine(const llmc_experts *a, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+        float *out = a->out + t * a->hidden;
+        memset(out, 0, (size_t)a->hidden * sizeof *out);
+        for (int64_t s = 0; s < a->top_k; s++) {
+            const float *y = a->down_out + a->row_of[t * a->top_k + s] * a->hidden;
+            float w = a->weights[t * a->top_k + s];
+            for (int64_t h = 0; h < a->hidden; h++)
+                out[h] += w * y[h];
+        }
+    }
+}
