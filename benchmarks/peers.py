@@ -79,6 +79,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import struct
@@ -476,10 +477,25 @@ def cpu_times(pids) -> tuple[float, float] | None:
         return None
 
 
-def _decode_step_reads(folder: Path, size) -> int:
+def experts_read(cfg: dict, batch: int = 1) -> float:
+    """The share of a mixture-of-experts layer's experts a decode step of `batch` rows reads: k / E
+    for one row; for more, the expected share of experts at least one row chose, 1 - (1 - k/E)^batch,
+    if each row's k experts were drawn uniformly (1.0 for a dense model)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if not experts:
+        return 1.0
+    return 1 - (1 - cfg["num_experts_per_tok"] / experts) ** batch
+
+
+PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # a checkpoint's per-expert tensor
+
+
+def _decode_step_reads(folder: Path, size, batch: int = 1) -> int:
     """What one decode step reads of the safetensors in `folder`, each tensor counted as size(bytes,
-    shape): every tensor, but an untied embedding only one row (a Gather reads one row a token)."""
+    shape): every tensor, but an untied embedding only one row (a Gather reads one row a token)
+    and each expert's tensors the share of experts a row chooses (experts_read)."""
     cfg = json.loads((folder / "config.json").read_text())
+    active = experts_read(cfg, batch)
     total, embed, row = 0, 0, 0
     for f in sorted(folder.glob("*.safetensors")):
         with open(f, "rb") as fh:
@@ -488,17 +504,17 @@ def _decode_step_reads(folder: Path, size) -> int:
             if name == "__metadata__":
                 continue
             n = size(t["data_offsets"][1] - t["data_offsets"][0], t["shape"])
-            total += n
+            total += n * active if PER_EXPERT.search(name) else n
             if name.endswith("embed_tokens.weight"):
                 embed, row = n, n // t["shape"][0]
     if not cfg.get("tie_word_embeddings", False):
         total += row - embed
-    return total
+    return int(total)
 
 
-def weight_bytes(folder: Path) -> int:
-    """Bytes of weights one decode step reads."""
-    return _decode_step_reads(folder, lambda nbytes, shape: nbytes)
+def weight_bytes(folder: Path, batch: int = 1) -> int:
+    """Bytes of weights one decode step of `batch` rows reads."""
+    return _decode_step_reads(folder, lambda nbytes, shape: nbytes, batch)
 
 
 def parameter_count(folder: Path) -> int:
@@ -551,11 +567,12 @@ def gguf_tensors(path: Path) -> dict[str, tuple[int, list[int]]]:
     return {name: (end - off, dims) for (off, name, dims), end in zip(infos, ends)}
 
 
-def gguf_weight_bytes(path: Path) -> tuple[int, str]:
+def gguf_weight_bytes(path: Path, experts_active: float = 1.0) -> tuple[int, str]:
     """Bytes of a GGUF's tensors one decode step reads: all of them, but token_embd only one row
-    when an output.weight of its own exists (tied, token_embd is the LM head and read whole)."""
+    when an output.weight of its own exists (tied, token_embd is the LM head and read whole), and
+    the stacked experts (`*_exps`) the share `experts_active` of them."""
     t = gguf_tensors(path)
-    total = sum(b for b, _ in t.values())
+    total = int(sum(b * experts_active if "_exps." in name else b for name, (b, _) in t.items()))
     if "output.weight" in t and "token_embd.weight" in t:
         b, dims = t["token_embd.weight"]
         total -= b - b // dims[-1]
@@ -563,10 +580,11 @@ def gguf_weight_bytes(path: Path) -> tuple[int, str]:
     return total, "GGUF tensors (tied token_embd read whole as the output)"
 
 
-def onnx_weight_bytes(model: Path) -> tuple[int, str, float | None]:
+def onnx_weight_bytes(model: Path, experts_active: float = 1.0) -> tuple[int, str, float | None]:
     """(bytes of the initializers one decode step reads, how counted, bytes per KV element) of an
     ONNX model with its external data: every initializer, but one that only Gather-type nodes take
-    as their data (an embedding table looked up by token id) counts one row of its first dim."""
+    as their data (an embedding table looked up by token id) counts one row of its first dim, and
+    an Experts node's stacks (inputs 3 and 4) the share `experts_active` of them."""
     import onnx
 
     g = onnx.load(str(model), load_external_data=False).graph
@@ -590,6 +608,8 @@ def onnx_weight_bytes(model: Path) -> tuple[int, str, float | None]:
         if u and t.dims and all(op.startswith("Gather") and i != 1 for op, i in u):
             gathered += n - n // t.dims[0]
             n //= t.dims[0]
+        elif u and all(op == "Experts" and i in (3, 4) for op, i in u):
+            n = int(n * experts_active)
         total += n
     kv = None
     elem = {1: 4.0, 10: 2.0, 16: 2.0}
@@ -747,13 +767,14 @@ def src_env(src: Path) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(src)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 
 
-def own_bytes(kind: str, path: Path | None, info: dict, args) -> dict | None:
-    """A row's own weight bytes per decode step and KV element size, from its own files."""
+def own_bytes(kind: str, path: Path | None, info: dict, args, experts_active: float = 1.0) -> dict | None:
+    """A row's own weight bytes per decode step and KV element size, from its own files (a MoE's
+    experts counted as the share of them a step reads: experts_read)."""
     if path is None:
         return None
     try:
         if kind == "llama.cpp":
-            wb, note = gguf_weight_bytes(Path(path))
+            wb, note = gguf_weight_bytes(Path(path), experts_active)
             return {"weight_bytes": wb, "how": note, "kv_dtype_bytes": LLAMA_KV_BYTES[args.llama_kv_type],
                     "kv_dtype": args.llama_kv_type}
         if kind == "ort-genai":
@@ -763,7 +784,7 @@ def own_bytes(kind: str, path: Path | None, info: dict, args) -> dict | None:
         from llmc.contract.engine_dir import open_engine
 
         m = open_engine(path).manifest
-        wb, note, _ = onnx_weight_bytes(Path(path) / m.payload.model)
+        wb, note, _ = onnx_weight_bytes(Path(path) / m.payload.model, experts_active)
         if m.build_options.lossless_weights:
             note += "; a --lossless-weights engine stores two copies and both are counted"
         kv = m.kv_cache.dtype
@@ -916,14 +937,14 @@ def measure(args, folder: Path, peers: list[str], python: Path | None, converted
     token_bytes = wb + per_pos * mean_ctx
     roof = {"weight_bytes": wb, "kv_bytes": per_pos * mean_ctx, "kv_dtype_bytes": kv_dtype,
             "tpot": token_bytes / bw_med,
-            "b8_tok_s": args.batch * bw_med / (wb + args.batch * per_pos * mean_ctx)}
+            "b8_tok_s": args.batch * bw_med / (weight_bytes(folder, args.batch) + args.batch * per_pos * mean_ctx)}
     for r in rows.values():  # each TPOT against the bandwidth measured just before it
         r["roofline_share"] = [token_bytes / b / t for b, t in zip(r.get("bw", []), r["tpot"])]
     # Each row's own roofline: the weight bytes its own files store (at its bit width) and its own
     # KV element size. The fp32 report keeps the shared one above; other --bits report these.
     per_elem = per_pos / kv_dtype
     for name, r in rows.items():
-        own = own_bytes(r["kind"], files.get(name), r.get("info", {}), args)
+        own = own_bytes(r["kind"], files.get(name), r.get("info", {}), args, experts_read(cfg))
         if own is None:
             continue
         r["own_roofline"] = own

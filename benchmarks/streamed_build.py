@@ -742,9 +742,10 @@ def decode(args, folder: Path, rows_in: list[tuple[str, str, Path]], results: di
 
     per_elem = peers.kv_bytes_per_position(folder, 1)
     mean_ctx = args.prompt_len + args.new_tokens / 2
+    experts_active = peers.experts_read(json.loads((folder / "config.json").read_text()))
     for name, r in rows.items():
         own = peers.own_bytes(r["kind"], Path(r["path"]), r.get("info", {}),
-                              SimpleNamespace(llama_kv_type=args.llama_kv_type))
+                              SimpleNamespace(llama_kv_type=args.llama_kv_type), experts_active)
         if own is None:
             continue
         own["kv_bytes"] = per_elem * own["kv_dtype_bytes"] * mean_ctx

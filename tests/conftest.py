@@ -56,7 +56,9 @@ def _export_each_checkpoint_once():
         folder = Path(hf_model.config._name_or_path)
         files = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(folder.iterdir())
                          if f.suffix in (".safetensors", ".bin", ".json")) if folder.is_dir() else ""
-        key = (str(folder), files, hf_model.config.to_json_string(), repr(spec), weights is None)
+        # The attention and experts implementations are not in the config's JSON but change the graph.
+        impls = (hf_model.config._attn_implementation, getattr(hf_model.config, "_experts_implementation", None))
+        key = (str(folder), files, hf_model.config.to_json_string(), impls, repr(spec), weights is None)
         if key not in graphs:
             model = real(hf_model, spec, weights)
             try:  # reads every weight: a damaged checkpoint's build must find out in its own time

@@ -400,6 +400,45 @@ def test_experts_kernel_matches_numpy(tokens, top_k, experts, hidden, inter, pac
                                atol=2e-6)
 
 
+@pytest.mark.parametrize("bits,symmetric", [(8, True), (8, False), (6, True), (4, True), (4, False)])
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (19, 3)])
+def test_quantized_experts_match_the_quantized_reference(tokens, top_k, bits, symmetric):
+    """Each chosen expert's two products as PackedMatMul computes a quantized weight (activations
+    quantized per row and block: quant.reference), the activation and the weighted sum in float64."""
+    from llmc.plugins.cpu import quant
+
+    rng = np.random.default_rng(bits + tokens)
+    experts, hidden, inter, block = 6, 64, 96, 32
+    low, high = quant.value_range(bits, symmetric)
+    x = rng.standard_normal((tokens, hidden), np.float32)
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int64)
+    weights = rng.random((tokens, top_k), np.float32)
+    stacks = []
+    for n, k in ((2 * inter, hidden), (hidden, inter)):
+        q = rng.integers(low, high + 1, (experts, n, k)).astype(np.int8 if symmetric else np.uint8)
+        scale = (0.01 * rng.random((experts, n, k // block)) + 1e-3).astype(np.float16).astype(np.float32)
+        zp = None if symmetric else rng.integers(low, high + 1, (experts, n, k // block)).astype(np.uint8)
+        stacks.append((q, scale, zp))
+    session = _session("Experts", ["x", "ids", "w", "gate_up", "down"], ["y"],
+                       {"ids": TensorProto.INT64, "gate_up": TensorProto.UINT8, "down": TensorProto.UINT8},
+                       packed=1, weight_format=quant.WEIGHT_FORMATS[f"int{bits}"], block_size=block,
+                       zero_points=int(not symmetric))
+    blobs = [quant.pack_quantized_experts(q, scale, zp, bits, block) for q, scale, zp in stacks]
+    out, = session.run(None, {"x": x, "ids": ids, "w": weights, "gate_up": blobs[0], "down": blobs[1]})
+
+    def product(rows, e, stack):
+        q, scale, zp = stack
+        return quant.reference(rows, q[e].T, scale[e].T, None if zp is None else zp[e].T, bits, block)
+
+    want = np.zeros((tokens, hidden))
+    for t in range(tokens):
+        for e, w in zip(ids[t], weights[t]):
+            h = product(x[t:t + 1], e, stacks[0])[0]
+            act = _gated(h[:inter], h[inter:], cpu.ACT_SILU).astype(np.float32)
+            want[t] += w * product(act[None], e, stacks[1])[0]
+    np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
 def test_experts_kernel_refuses_an_expert_id_out_of_range():
     session = _session("Experts", ["x", "ids", "w", "gate_up", "down"], ["y"], {"ids": TensorProto.INT64})
     feeds = {"x": np.ones((2, 8), np.float32), "ids": np.array([[0], [4]], np.int64), "w": np.ones((2, 1), np.float32),

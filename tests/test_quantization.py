@@ -19,6 +19,7 @@ from llmc.contract.options import BuildOptions
 from llmc.errors import LlmcError
 from llmc.passes import quantizers
 from llmc.passes.quantizers import SYMMETRIC_RANGE, quantize, relative_error
+from llmc.plugins.cpu import quant
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling import SamplingParams
 
@@ -255,6 +256,31 @@ def test_a_quantized_engine_records_what_it_stored(engines):
     fp32 = sum(f.bytes for f in open_engine(engines("tiny-llama")).manifest.files.values() if f.bytes > 10000)
     quantized = sum(f.bytes for f in manifest.files.values() if f.bytes > 10000)
     assert quantized < 0.3 * fp32
+
+
+@needs_kernels
+@pytest.mark.parametrize("options", [dict(quant="int8"), dict(quant="int4", quant_symmetric=False)],
+                         ids=["int8", "int4-asym"])
+def test_experts_are_stored_quantized_and_batch_chunk_and_preempt_like_running_alone(engines, options):
+    """A MoE engine's experts in the body's format (the router a Gemm at fp32), read by the
+    Experts kernel in that format; per-pass verification held the packed kernel to the DequantizeLinear
+    graph while building; batching, chunking and preemption change no token."""
+    engine = engines("tiny-qwen3-moe", **options)
+    records = open_engine(engine).manifest.quantization.tensors
+    experts = {name: r for name, r in records.items() if r.role == "experts"}
+    assert len(experts) == 4 and {r.format for r in experts.values()} == {options["quant"]}  # 2 layers x 2 stacks
+    assert all(0 < r.relative_error < (0.02 if options["quant"] == "int8" else 0.2) for r in experts.values())
+    graph = onnx.load(engine / "model.onnx", load_external_data=False).graph
+    nodes = [n for n in graph.node if n.op_type == "Experts"]
+    formats = {a.i for n in nodes for a in n.attribute if a.name == "weight_format"}
+    assert len(nodes) == 2 and formats == {quant.WEIGHT_FORMATS[options["quant"]]}
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 1024, int(n)).tolist() for n in rng.integers(3, 60, 8)]
+    alone = [_greedy(engine, [p], enable_prefix_caching=False)[0] for p in prompts]
+    llm = LLM(engine, max_num_seqs=8, max_num_batched_tokens=24, chunk_size=16, kv_cache_blocks=40)
+    together = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    assert llm.scheduler.num_preemptions > 0
+    assert together == alone
 
 
 @needs_kernels

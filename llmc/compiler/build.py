@@ -327,9 +327,12 @@ def _check_quantization(options: BuildOptions, spec: ModelSpec, passes) -> None:
     """Options the model or this install cannot honour, before the minutes of export."""
     block = options.quant_block_size
     if any(options.format_of(role) in QUANT_BITS for role in WEIGHT_ROLES):
-        for what, size in (("hidden size", spec.hidden_size), ("intermediate size", spec.intermediate_size)):
+        sizes = {"hidden size": spec.hidden_size, "intermediate size": spec.intermediate_size}
+        if spec.num_experts:
+            sizes["expert intermediate size"] = spec.expert_intermediate_size
+        for what, size in sizes.items():
             if size % block:
-                fits = [str(b) for b in QUANT_BLOCK_SIZES if spec.hidden_size % b == 0 and spec.intermediate_size % b == 0]
+                fits = [str(b) for b in QUANT_BLOCK_SIZES if all(s % b == 0 for s in sizes.values())]
                 raise LlmcError(f"--quant-block-size {block} does not divide the model's {what} ({size}); "
                                 f"use {' or '.join(fits) if fits else 'no integer quantization for this model'}")
     if options.calibrate is not None and not Path(options.calibrate).is_file():

@@ -181,9 +181,11 @@ class PackedExperts(Rule):
     def pattern(self, op, x, ids, weights, gate_up, down):
         return op.Experts(x, ids, weights, gate_up, down, _domain=cpu.DOMAIN, _name="experts")
 
+    def match(self, node):
+        m = super().match(node)
+        return m if m is not None and not m.experts.attributes.get_int("packed", 0) else None
+
     def check(self, m):
-        if m.experts.attributes.get_int("packed", 0):
-            return "already packed"
         stacks = [tensor(m.gate_up), tensor(m.down)]
         if any(w is None or len(w.dims) != 3 or w.numpy_dtype() != np.float32 for w in stacks):
             return "the expert weights are not constant 3-D float32 initializers"
@@ -200,6 +202,58 @@ class PackedExperts(Rule):
         return op.like(m.experts, m.x, m.ids, m.weights, *stacks.values(), packed=1)
 
 
+class QuantizedPackedExperts(Rule):
+    """llmc.cpu::Experts over two `DequantizeLinear(q, scale[, zero_point], axis=2, block_size)`
+    stacks (quantize-weights' QuantizeExperts) -> over each expert's blob in llmc's blockwise
+    format, the experts' blobs one after another ([E, bytes] uint8)."""
+
+    name = "packed_experts_quantized"
+
+    def pattern(self, op, x, ids, weights, q_gate_up, s_gate_up, q_down, s_down):
+        return op.Experts(x, ids, weights,
+                          op.DequantizeLinear(q_gate_up, s_gate_up, _other_inputs=True, _name="dq_gate_up"),
+                          op.DequantizeLinear(q_down, s_down, _other_inputs=True, _name="dq_down"),
+                          _domain=cpu.DOMAIN, _name="experts")
+
+    @staticmethod
+    def _stacks(m):
+        """(q, scale, zero point or None, (bits, block, asymmetric)) of gate_up and of down."""
+        for dq, q, scale in ((m.dq_gate_up, m.q_gate_up, m.s_gate_up), (m.dq_down, m.q_down, m.s_down)):
+            zero_point = tensor(dq.inputs[2]) if len(dq.inputs) > 2 else None
+            q, scale = tensor(q), tensor(scale)
+            bits = None if q is None else BITS.get(q.numpy_dtype())
+            if bits == 8:  # int6 lives in int8: quantize-weights' hint says which
+                bits = int(dq.inputs[0].metadata_props.get(BITS_KEY, 8))
+            yield q, scale, zero_point, (bits, dq.attributes.get_int("block_size", 0), len(dq.inputs) > 2), \
+                dq.attributes.get_int("axis", 1)
+
+    def check(self, m):
+        formats = set()
+        for q, scale, zero_point, (bits, block, asymmetric), axis in self._stacks(m):
+            if q is None or scale is None or (asymmetric and zero_point is None):
+                return "the quantized experts, their scales or zero points are not constant initializers"
+            if bits is None or len(q.dims) != 3 or axis != 2 or block not in QUANT_BLOCK_SIZES or (
+                    scale.dims != (*q.dims[:2], q.dims[2] // block)):
+                return "not 3-D int4/uint4/int8/uint8 stacks in blocks along K (axis 2) with float32 scales"
+            formats.add((bits, block, asymmetric))
+        return None if len(formats) == 1 else "gate_up and down are in different formats; the kernel takes one"
+
+    def rewrite(self, op, m):
+        stacks = []
+        for q, scale, zero_point, (bits, block, asymmetric), _ in self._stacks(m):
+            experts, n, k = q.dims
+            integers = np.uint8 if asymmetric else np.int8
+
+            def pack(a, b, q=q, scale=scale, zero_point=zero_point, bits=bits, block=block, integers=integers):
+                zp = None if zero_point is None else zero_point.rows(a, b).astype(np.uint8)
+                return quant.pack_quantized_experts(q.rows(a, b).astype(integers), scale.rows(a, b), zp, bits, block)
+
+            size = quant.quantized_bytes(k, n, bits, block, asymmetric)
+            stacks.append(op.initializer(lazy.Lazy(np.uint8, (experts, size), pack), f"{m.experts.name}.{n}x{k}.packed"))
+        return op.like(m.experts, m.x, m.ids, m.weights, *stacks, packed=1,
+                       weight_format=quant.WEIGHT_FORMATS[f"int{bits}"], block_size=block, zero_points=int(asymmetric))
+
+
 class PackedMatMuls(RulePass):
     name = "packed-matmul"
     description = ("run constant-weight MatMuls on llmc's panel-packed kernel (weights stored packed), "
@@ -212,9 +266,9 @@ class PackedMatMuls(RulePass):
     def apply(self, model, spec):
         result = super().apply(model, spec)
         # The integer kernels also quantize the activations (per row and block, int8): lossy where they run.
-        self.lossy = bool(result.counts.get(QuantizedPackedMatMul.name))
+        self.lossy = bool(result.counts.get(QuantizedPackedMatMul.name) or result.counts.get(QuantizedPackedExperts.name))
         return result
 
     def rules(self, spec: ModelSpec):
         return [PackedMatMul(), QuantizedPackedMatMul(), SixteenBitPackedMatMul(), SkipRMSNormMatMul(), SwiGLUMatMul(),
-                PackedExperts()]
+                PackedExperts(), QuantizedPackedExperts()]

@@ -272,6 +272,72 @@ class QuantizeEmbedding(Rule):
         return op.DequantizeLinear(*gathered, axis=-1, block_size=self.quantizer.options.quant_block_size)
 
 
+class QuantizeExperts(Rule):
+    """llmc.cpu::Experts's two stacks [E, N, K] -> `DequantizeLinear(q, scale[, zero_point], axis=2,
+    block_size=B)` of each, every expert quantized as its [K, N] projection would be (the body's
+    format and method, no calibration); the router, a Gemm, keeps its precision. Computed an
+    expert range at a time, when first read."""
+
+    name = "quantize_experts"
+
+    def __init__(self, quantizer: _Quantizer):
+        self.quantizer = quantizer
+
+    def pattern(self, op, x, ids, weights, gate_up, down):
+        from llmc.plugins import cpu
+
+        return op.Experts(x, ids, weights, gate_up, down, _domain=cpu.DOMAIN, _name="experts")
+
+    def match(self, node):
+        m = super().match(node)
+        return m if m is not None and self.quantizer.options.format_of("body") in QUANT_BITS else None
+
+    def check(self, m):
+        block = self.quantizer.options.quant_block_size
+        for value in (m.gate_up, m.down):
+            w = tensor(value)
+            if w is None or len(w.dims) != 3 or w.numpy_dtype() != np.float32:
+                return "the expert weights are not constant 3-D float32 initializers"
+            if w.dims[2] % block:
+                return f"K = {w.dims[2]} is not a multiple of the block size {block}"
+        return None
+
+    def rewrite(self, op, m):
+        fmt = self.quantizer.options.format_of("body")
+        stacks = [self._dequantized(op, tensor(v), fmt, f"{m.experts.name}.{v.name}") for v in (m.gate_up, m.down)]
+        return op.like(m.experts, m.x, m.ids, m.weights, *stacks)
+
+    def _dequantized(self, op, w: lazy.Lazy, fmt: str, name: str) -> ir.Value:
+        q = self.quantizer
+        experts, n, k = w.dims
+        block, symmetric = q.options.quant_block_size, q.options.quant_symmetric
+        kind = INT_TYPES[(QUANT_BITS[fmt], symmetric)]
+        sums = np.zeros((2, experts), np.float64)
+        q.records[name] = {"role": "experts", "format": fmt, "shape": [experts, n, k], "relative_error": sums}
+
+        def quantized(a: int, b: int) -> list[QuantizedWeight]:
+            out = []
+            for e, each in enumerate(w.rows(a, b)):
+                out.append(q.integers(each.T, fmt, None))
+                sums[:, a + e] = out[-1].errors.sum(axis=1)
+            return out
+
+        memo, step = lazy.Memo(quantized), max(1, lazy.CHUNK_BYTES // (n * k * 4))
+
+        def part(field: str, dtype):
+            return lambda a, b: np.stack([getattr(each, field).T for each in memo(a, b)]).astype(dtype)
+
+        parts = [lazy.Lazy(kind, (experts, n, k), part("q", kind), step=step, name=f"{name}.q"),
+                 lazy.Lazy(np.float32, (experts, n, k // block), part("scale", np.float32), step=step,
+                           name=f"{name}.scale")]
+        if not symmetric:
+            parts.append(lazy.Lazy(kind, (experts, n, k // block), part("zero_point", kind), step=step,
+                                   name=f"{name}.zero_point"))
+        values = [op.initializer(p, p.name) for p in parts]
+        values[0].metadata_props[BITS_KEY] = str(QUANT_BITS[fmt])
+        return op.DequantizeLinear(*values, axis=2, block_size=block)
+
+
 def _sources(value: ir.Value, depth: int = 4) -> set[str]:
     """The graph inputs `value` derives from through a few nodes (the token ids may be reshaped)."""
     if value.producer() is None:
@@ -291,7 +357,8 @@ class QuantizeWeights(RulePass):
         self.calibration = calibration  # [windows, tokens] token ids, for --quant-method awq
 
     def rules(self, spec: ModelSpec):
-        return [ScaledQuantizeMatMul(self.quantizer), QuantizeMatMul(self.quantizer), QuantizeEmbedding(self.quantizer)]
+        return [ScaledQuantizeMatMul(self.quantizer), QuantizeMatMul(self.quantizer), QuantizeEmbedding(self.quantizer),
+                QuantizeExperts(self.quantizer)]
 
     def apply(self, model: ir.Model, spec: ModelSpec) -> PassResult:
         self.quantizer = _Quantizer(self.options)

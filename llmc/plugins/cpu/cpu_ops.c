@@ -330,7 +330,7 @@ static OrtStatus *swiglu_compute(void *state, OrtKernelContext *ctx) {
 /* -- Experts ----------------------------------------------------------------------------------- */
 
 typedef struct {
-    int64_t activation, packed;
+    int64_t activation, packed, format, block_size, zero_points;
 } experts_kernel;
 
 typedef struct {
@@ -347,8 +347,24 @@ static void experts_one(void *arg, size_t task) {
     (job->down ? llmc_experts_down : llmc_experts_up)(job->a, e, g0, g1 < job->groups ? g1 : job->groups);
 }
 
-/* One phase's products: each chosen expert's columns in groups, about 4 tasks per CPU in all. */
+typedef struct {
+    const llmc_qact *act;
+    const float *x;
+} experts_quantize_job;
+
+static void experts_quantize_one(void *arg, size_t task) {
+    const experts_quantize_job *q = arg;
+    int64_t row0 = (int64_t)task * 8, row1 = row0 + 8;
+    llmc_quantize_rows(q->act, q->x, row0, row1 < q->act->m ? row1 : q->act->m);
+}
+
+/* One phase's products: for a quantized format its rows quantized first; then each chosen
+ * expert's columns in groups, about 4 tasks per CPU in all. */
 static OrtStatus *experts_products(OrtKernelContext *ctx, const llmc_experts *a, int down) {
+    if (llmc_format_bits(a->format)) {
+        experts_quantize_job q = {.act = down ? &a->down_rows : &a->up_rows, .x = down ? a->act : a->rows};
+        TRY(parallel(ctx, experts_quantize_one, (size_t)((q.act->m + 7) / 8), &q));
+    }
     experts_job job = {.a = a, .down = down, .groups = llmc_experts_groups(down ? a->hidden : 2 * a->inter)};
     int64_t want = 4 * llmc_cpus(), per_expert = (want + a->num_used - 1) / a->num_used;
     job.groups_per_task = (job.groups + per_expert - 1) / per_expert;
@@ -362,6 +378,39 @@ static void experts_combine_one(void *arg, size_t task) {
     llmc_experts_combine(a, t0, t1 < a->tokens ? t1 : a->tokens);
 }
 
+/* The expert weights' sizes (a.inter) from their shapes, checked against each other and x; NULL
+ * or what is wrong. fp32: [E, 2 inter, hidden] and [E, hidden, inter], or 4-D panels (packed);
+ * quantized: [E, bytes] uint8 each, inter read from down's bytes per expert. */
+static const char *experts_shapes(const experts_kernel *k, const tensor *gate_up, const tensor *down,
+                                  llmc_experts *a) {
+    int bits = llmc_format_bits(k->format);
+    if (gate_up->dims[0] != a->experts || down->dims[0] != a->experts)
+        return "gate_up and down must hold the same number of experts";
+    if (bits) {
+        int64_t block_bytes = llmc_quant_block_bytes(bits, k->block_size, (int)k->zero_points);
+        int64_t per_block_row = llmc_experts_groups(a->hidden) * block_bytes;
+        if (gate_up->rank != 2 || down->rank != 2 || gate_up->type != ORT_UINT8 || down->type != ORT_UINT8 ||
+            down->dims[1] % per_block_row != 0 || a->hidden % k->block_size != 0)
+            return "quantized expert weights must be [experts, bytes] uint8 blobs, hidden a multiple of block_size";
+        a->inter = down->dims[1] / per_block_row * k->block_size;
+        if (down->dims[1] != llmc_quant_bytes(a->inter, a->hidden, bits, k->block_size, (int)k->zero_points) ||
+            gate_up->dims[1] != llmc_quant_bytes(a->hidden, 2 * a->inter, bits, k->block_size, (int)k->zero_points))
+            return "the quantized gate_up and down blobs disagree on the experts' sizes";
+        return NULL;
+    }
+    size_t rank = k->packed ? 4 : 3;
+    if (gate_up->rank != rank || down->rank != rank || gate_up->type != ORT_FLOAT || down->type != ORT_FLOAT)
+        return "fp32 expert weights must be [experts, 2 inter, hidden] and [experts, hidden, inter] float32 "
+               "(packed: 4-D panels)";
+    a->inter = down->dims[2];
+    int agree = k->packed ? gate_up->dims[2] == a->hidden && gate_up->dims[3] == LLMC_PANEL &&
+                                gate_up->dims[1] == llmc_experts_groups(2 * a->inter) &&
+                                down->dims[1] == llmc_experts_groups(a->hidden) && down->dims[3] == LLMC_PANEL
+                          : gate_up->dims[2] == a->hidden && gate_up->dims[1] == 2 * a->inter &&
+                                down->dims[1] == a->hidden;
+    return agree ? NULL : "gate_up and down disagree with x on the hidden size, or with each other on inter";
+}
+
 static OrtStatus *experts_compute(void *state, OrtKernelContext *ctx) {
     const experts_kernel *k = state;
     tensor x, ids, weights, gate_up, down;
@@ -370,25 +419,17 @@ static OrtStatus *experts_compute(void *state, OrtKernelContext *ctx) {
     TRY(input(ctx, 2, &weights));
     TRY(input(ctx, 3, &gate_up));
     TRY(input(ctx, 4, &down));
-    size_t w_rank = k->packed ? 4 : 3;
-    if (x.rank != 2 || ids.rank != 2 || weights.rank != 2 || gate_up.rank != w_rank || down.rank != w_rank)
-        return error("Experts", "x must be [tokens, hidden], ids and weights [tokens, top_k], the expert weights "
-                                "[experts, 2 inter, hidden] and [experts, hidden, inter] (packed: 4-D panels)");
+    if (x.rank != 2 || ids.rank != 2 || weights.rank != 2 || x.type != ORT_FLOAT || ids.type != ORT_INT64 ||
+        weights.type != ORT_FLOAT || ids.dims[0] != x.dims[0] || weights.dims[0] != x.dims[0] ||
+        weights.dims[1] != ids.dims[1] || ids.dims[1] < 1 || gate_up.rank < 2 || down.rank < 2)
+        return error("Experts", "x must be [tokens, hidden] float32, ids [tokens, top_k] int64 and weights "
+                                "[tokens, top_k] float32");
     llmc_experts a = {.tokens = x.dims[0], .top_k = ids.dims[1], .hidden = x.dims[1], .experts = gate_up.dims[0],
-                      .packed = (int)k->packed, .activation = (int)k->activation};
-    a.inter = down.dims[2];
-    int64_t gate_up_rows = k->packed ? gate_up.dims[1] * LLMC_PANEL : gate_up.dims[1];
-    int shapes_agree = ids.dims[0] == a.tokens && weights.dims[0] == a.tokens && weights.dims[1] == a.top_k &&
-                       down.dims[0] == a.experts && a.top_k > 0 && a.experts > 0 &&
-                       (k->packed ? gate_up.dims[2] == a.hidden && gate_up.dims[3] == LLMC_PANEL &&
-                                        gate_up.dims[1] == llmc_experts_groups(2 * a.inter) &&
-                                        down.dims[1] == llmc_experts_groups(a.hidden) && down.dims[3] == LLMC_PANEL
-                                  : gate_up.dims[2] == a.hidden && gate_up_rows == 2 * a.inter &&
-                                        down.dims[1] == a.hidden);
-    if (x.type != ORT_FLOAT || ids.type != ORT_INT64 || weights.type != ORT_FLOAT || gate_up.type != ORT_FLOAT ||
-        down.type != ORT_FLOAT || !shapes_agree)
-        return error("Experts", "inputs disagree: x [tokens, hidden] float32, ids [tokens, top_k] int64, weights "
-                                "[tokens, top_k] float32, gate_up and down float32 of one expert count and sizes");
+                      .packed = (int)k->packed, .activation = (int)k->activation, .format = (int)k->format,
+                      .zero_points = (int)k->zero_points, .block_size = k->block_size};
+    const char *problem = experts_shapes(k, &gate_up, &down, &a);
+    if (problem != NULL)
+        return error("Experts", problem);
     TRY(data(x.value, (void **)&a.x));
     TRY(data(ids.value, (void **)&a.ids));
     TRY(data(weights.value, (void **)&a.weights));
@@ -399,8 +440,11 @@ static OrtStatus *experts_compute(void *state, OrtKernelContext *ctx) {
     if (a.tokens == 0)
         return NULL;
     int64_t pairs = a.tokens * a.top_k;
+    int quantized = llmc_format_bits(a.format) != 0;
     size_t ints = (size_t)(2 * a.experts + 1 + 2 * pairs), floats = (size_t)(pairs * (2 * a.hidden + 3 * a.inter));
-    int64_t *scratch = malloc(ints * sizeof(int64_t) + floats * sizeof(float));
+    size_t act_bytes = quantized ? (size_t)(llmc_qact_bytes(pairs, a.hidden, a.block_size) +
+                                            llmc_qact_bytes(pairs, a.inter, a.block_size)) : 0;
+    int64_t *scratch = malloc(ints * sizeof(int64_t) + floats * sizeof(float) + act_bytes + 64);
     if (scratch == NULL)
         return error("Experts", "out of memory for the step's expert rows");
     a.start = scratch;
@@ -411,7 +455,13 @@ static OrtStatus *experts_compute(void *state, OrtKernelContext *ctx) {
     a.gate_up_out = a.rows + pairs * a.hidden;
     a.act = a.gate_up_out + pairs * 2 * a.inter;
     a.down_out = a.act + pairs * a.inter;
-    const char *problem = llmc_experts_plan(&a);
+    if (quantized) {
+        uint8_t *q = (uint8_t *)(((uintptr_t)(a.down_out + pairs * a.hidden) + 63) & ~(uintptr_t)63);
+        llmc_qact_init(&a.up_rows, q, pairs, a.hidden, a.block_size);
+        llmc_qact_init(&a.down_rows, q + llmc_qact_bytes(pairs, a.hidden, a.block_size), pairs, a.inter,
+                       a.block_size);
+    }
+    problem = llmc_experts_plan(&a);
     OrtStatus *status = problem != NULL ? error("Experts", problem) : experts_products(ctx, &a, 0);
     if (status == NULL)
         status = swiglu_rows(ctx, a.gate_up_out, a.act, a.inter, pairs, a.activation);
@@ -1180,8 +1230,15 @@ static const char *read_experts(const OrtKernelInfo *info, void *kernel) {
     experts_kernel *k = kernel;
     read_int(info, "activation", LLMC_ACT_SILU, &k->activation);
     read_int(info, "packed", 0, &k->packed);
+    read_int(info, "weight_format", LLMC_FORMAT_FP32, &k->format);
+    read_int(info, "block_size", 0, &k->block_size);
+    read_int(info, "zero_points", 0, &k->zero_points);
     if (k->packed != 0 && k->packed != 1)
         return "attribute packed must be 0 (weights as the checkpoint holds them) or 1 (panels)";
+    if (k->format != LLMC_FORMAT_FP32 && (!llmc_format_bits(k->format) || !k->packed))
+        return "attribute weight_format must be 0 (fp32) or a quantized format (3, 4, 5) with packed 1";
+    if (llmc_format_bits(k->format) && k->block_size != 32 && k->block_size != 64 && k->block_size != 128)
+        return "attribute block_size must be 32, 64 or 128";
     return activation_problem(k->activation);
 }
 
@@ -1357,8 +1414,11 @@ static void define(op_description *d, const char *name, create_fn create, comput
     op->GetEndVersion = end_version;
 }
 
-/* Experts' input 1, the chosen ids, is int64; the rest float32. */
-static int32_t experts_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 1 ? ORT_INT64 : ORT_FLOAT; }
+/* Experts' input 1, the chosen ids, is int64; the weights (3, 4) float32 or uint8 blobs; the rest float32. */
+static int32_t experts_input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 1 ? ORT_INT64 : i >= 3 ? ORT_UNDEFINED : ORT_FLOAT;
+}
 
 static op_description attention_op, swiglu_op, linear_op, norm_linear_op, swiglu_linear_op, layer_op, experts_op;
 

@@ -56,29 +56,37 @@ static void rows_times_rows(const float *x, const float *w, float *y, int64_t m,
     }
 }
 
-/* One expert's product over its rows, for column group [g0, g1) of llmc_experts_groups. */
-static void product(const llmc_experts *a, int64_t e, const float *x, const float *w, float *y, int64_t k,
-                    int64_t n, int64_t g0, int64_t g1) {
-    int64_t m = a->start[e + 1] - a->start[e];
-    if (a->packed) {
-        int64_t panels = (n + LLMC_PANEL - 1) / LLMC_PANEL;
-        llmc_linear_panels(x, w + e * panels * k * LLMC_PANEL, y, m, k, n, g0, g1 < panels ? g1 : panels);
+/* One expert's product over its rows (r0 onward), for column group [g0, g1) of llmc_experts_groups;
+ * `act`, for the quantized formats, the phase's rows quantized. */
+static void product(const llmc_experts *a, const llmc_qact *act, int64_t e, const float *x, const void *w, float *y,
+                    int64_t k, int64_t n, int64_t g0, int64_t g1) {
+    int64_t r0 = a->start[e], m = a->start[e + 1] - r0, panels = llmc_experts_groups(n);
+    int bits = llmc_format_bits(a->format);
+    g1 = g1 < panels ? g1 : panels;
+    if (bits) {
+        llmc_qact rows = *act;
+        rows.q += r0 * k;
+        rows.scale += r0 * (k / act->block);
+        rows.sum += r0 * (k / 32);
+        rows.m = m;
+        const uint8_t *blob = (const uint8_t *)w + e * llmc_quant_bytes(k, n, bits, a->block_size, a->zero_points);
+        llmc_linear_quant(&rows, blob, y + r0 * n, n, bits, a->zero_points, g0, g1);
+    } else if (a->packed) {
+        llmc_linear_panels(x + r0 * k, (const float *)w + e * panels * k * LLMC_PANEL, y + r0 * n, m, k, n, g0, g1);
     } else {
         int64_t c1 = g1 * LLMC_PANEL < n ? g1 * LLMC_PANEL : n;
-        rows_times_rows(x, w + e * n * k, y, m, k, n, g0 * LLMC_PANEL, c1);
+        rows_times_rows(x + r0 * k, (const float *)w + e * n * k, y + r0 * n, m, k, n, g0 * LLMC_PANEL, c1);
     }
 }
 
 int64_t llmc_experts_groups(int64_t n) { return (n + LLMC_PANEL - 1) / LLMC_PANEL; }
 
 void llmc_experts_up(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1) {
-    int64_t r = a->start[e], n = 2 * a->inter;
-    product(a, e, a->rows + r * a->hidden, a->gate_up, a->gate_up_out + r * n, a->hidden, n, g0, g1);
+    product(a, &a->up_rows, e, a->rows, a->gate_up, a->gate_up_out, a->hidden, 2 * a->inter, g0, g1);
 }
 
 void llmc_experts_down(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1) {
-    int64_t r = a->start[e];
-    product(a, e, a->act + r * a->inter, a->down, a->down_out + r * a->hidden, a->inter, a->hidden, g0, g1);
+    product(a, &a->down_rows, e, a->act, a->down, a->down_out, a->inter, a->hidden, g0, g1);
 }
 
 /* Tokens [t0, t1): each the sum of its slots' outputs times their weights, slot by slot. */

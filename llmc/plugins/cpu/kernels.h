@@ -117,40 +117,6 @@ void llmc_linear_lossless(const float *x, const uint8_t *w, float *y, int64_t m,
 void llmc_skip_rmsnorm_rows(const float *x, const float *skip, const float *gamma, float *sum, float *normed,
                             int64_t k, float epsilon, int64_t row0, int64_t row1);
 
-/* -- mixture-of-experts layers (experts.c) -------------------------------------------------------
- * out[t] = sum over slots s of weights[t, s] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = ids[t, s]:
- * llmc.cpu::Experts, what transformers' experts module computes from the router's choice. The
- * weights, per expert: gate_up [2 * inter, hidden] (gate rows, then up rows) and down
- * [hidden, inter], as the checkpoint holds them (packed 0), or each packed as llmc_linear_panels
- * reads a [K, N] weight (packed 1: gate_up [E, ceil(2 inter / 32), hidden, 32], down
- * [E, ceil(hidden / 32), inter, 32]). A call plans (pairs sorted by expert, rows gathered), then
- * runs the up products, the activation, the down products, then combines; the ORT binding
- * (cpu_ops.c) runs each phase's tasks in parallel. */
-typedef struct {
-    int64_t tokens, top_k, hidden, inter, experts;
-    const float *x;          /* [tokens, hidden] */
-    const int64_t *ids;      /* [tokens, top_k] */
-    const float *weights;    /* [tokens, top_k] */
-    const float *gate_up, *down;
-    int packed, activation;  /* LLMC_ACT_* */
-    float *out;              /* [tokens, hidden] */
-    /* scratch, pairs = tokens * top_k: */
-    int64_t *start;          /* [experts + 1]: expert e's rows are [start[e], start[e + 1]) */
-    int64_t *used, num_used; /* [experts]: the experts some pair chose, ascending */
-    int64_t *slot, *row_of;  /* [pairs] each: the pair a row holds; the row a pair is at */
-    float *rows;             /* [pairs, hidden]: x gathered by expert */
-    float *gate_up_out;      /* [pairs, 2 * inter] */
-    float *act;              /* [pairs, inter] */
-    float *down_out;         /* [pairs, hidden] */
-} llmc_experts;
-/* NULL, or what is wrong with the ids. */
-const char *llmc_experts_plan(llmc_experts *a);
-/* The column groups (32 wide) of an n-column product: the unit the up and down phases split. */
-int64_t llmc_experts_groups(int64_t n);
-void llmc_experts_up(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1);
-void llmc_experts_down(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1);
-void llmc_experts_combine(const llmc_experts *a, int64_t t0, int64_t t1);
-
 /* -- quantized and 16-bit weights (quant.c; llmc/plugins/cpu/quant.py writes them) -------------
  * The ops' node attribute weight_format picks one (LLMC_FORMAT_*). The 16-bit formats are the
  * fp32 panels [ceil(N / 32), K, 32] with uint16 elements (bf16: a float's top half; fp16: IEEE
@@ -205,5 +171,44 @@ void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n
 void llmc_linear_16bit(const float *x, const uint16_t *w, float *y, int64_t m, int64_t k, int64_t n, int bf16,
                        int64_t p0, int64_t p1);
 int llmc_quant_fast_path(void);
+
+/* -- mixture-of-experts layers (experts.c) -------------------------------------------------------
+ * out[t] = sum over slots s of weights[t, s] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = ids[t, s]:
+ * llmc.cpu::Experts, what transformers' experts module computes from the router's choice. The
+ * weights, per expert: gate_up [2 * inter, hidden] (gate rows, then up rows) and down
+ * [hidden, inter], either as the checkpoint holds them (fp32, packed 0) or each expert as a packed
+ * GEMM reads a [K, N] weight: fp32 panels (packed 1: gate_up [E, ceil(2 inter / 32), hidden, 32],
+ * down [E, ceil(hidden / 32), inter, 32]) or a quantized blob (format LLMC_FORMAT_INT*, the
+ * experts' blobs one after another). A call plans (pairs sorted by expert, rows gathered), then
+ * runs the up products, the activation, the down products, then combines; the ORT binding
+ * (cpu_ops.c) runs each phase's tasks in parallel and, for a quantized format, quantizes each
+ * phase's rows once (up_rows, down_rows) before its products. */
+typedef struct {
+    int64_t tokens, top_k, hidden, inter, experts;
+    const float *x;          /* [tokens, hidden] */
+    const int64_t *ids;      /* [tokens, top_k] */
+    const float *weights;    /* [tokens, top_k] */
+    const void *gate_up, *down;
+    int packed, activation;  /* LLMC_ACT_* */
+    int format, zero_points; /* LLMC_FORMAT_*: fp32 (by packed) or a quantized one */
+    int64_t block_size;
+    float *out;              /* [tokens, hidden] */
+    /* scratch, pairs = tokens * top_k: */
+    int64_t *start;          /* [experts + 1]: expert e's rows are [start[e], start[e + 1]) */
+    int64_t *used, num_used; /* [experts]: the experts some pair chose, ascending */
+    int64_t *slot, *row_of;  /* [pairs] each: the pair a row holds; the row a pair is at */
+    float *rows;             /* [pairs, hidden]: x gathered by expert */
+    float *gate_up_out;      /* [pairs, 2 * inter] */
+    float *act;              /* [pairs, inter] */
+    float *down_out;         /* [pairs, hidden] */
+    llmc_qact up_rows, down_rows; /* quantized formats: rows and act, quantized */
+} llmc_experts;
+/* NULL, or what is wrong with the ids. */
+const char *llmc_experts_plan(llmc_experts *a);
+/* The column groups (32 wide) of an n-column product: the unit the up and down phases split. */
+int64_t llmc_experts_groups(int64_t n);
+void llmc_experts_up(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1);
+void llmc_experts_down(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1);
+void llmc_experts_combine(const llmc_experts *a, int64_t t0, int64_t t1);
 
 #endif

@@ -103,6 +103,15 @@ def pack_quantized(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | No
     return np.ascontiguousarray(np.concatenate(parts, axis=2)).ravel()
 
 
+def pack_quantized_experts(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, bits: int,
+                           block_size: int) -> np.ndarray:
+    """Stacked expert weights as the checkpoint lays them out, q [E, N, K] with scale (and
+    zero_point) [E, N, K / B] -> [E, bytes]: each expert's blob as pack_quantized makes it for its
+    [K, N] weight, what llmc.cpu::Experts reads with a quantized weight_format."""
+    return np.stack([pack_quantized(q[e].T, scale[e].T, None if zero_point is None else zero_point[e].T, bits,
+                                    block_size) for e in range(len(q))])
+
+
 def pack_16bit(w: np.ndarray, dtype: str) -> np.ndarray:
     """[K, N] float32 -> uint16 panels [ceil(N / 32), K, 32]: bf16 (round to nearest even) or fp16."""
     from llmc.plugins.cpu import pack_weight
