@@ -270,6 +270,8 @@ def test_experts_are_stored_quantized_and_batch_chunk_and_preempt_like_running_a
     experts = {name: r for name, r in records.items() if r.role == "experts"}
     assert len(experts) == 4 and {r.format for r in experts.values()} == {options["quant"]}  # 2 layers x 2 stacks
     assert all(0 < r.relative_error < (0.02 if options["quant"] == "int8" else 0.2) for r in experts.values())
+    qkv = {r.format for name, r in records.items() if "qkv_merge" in name}
+    assert qkv == {"int8"}  # a MoE's Q/K/V projection takes 8 bits at int4 too
     graph = onnx.load(engine / "model.onnx", load_external_data=False).graph
     nodes = [n for n in graph.node if n.op_type == "Experts"]
     formats = {a.i for n in nodes for a in n.attribute if a.name == "weight_format"}

@@ -21,6 +21,11 @@ from llmc.passes.pattern import Match
 from llmc.passes.rewrite import Rule, RulePass
 
 
+# On a merged weight: which projections it holds (the rule's name), for passes that treat them apart.
+PROJECTION_KEY = "llmc.projection"
+QKV = "qkv_merge"
+
+
 def _is_matmul(node: ir.Node) -> bool:
     return node.op_type == "MatMul" and node.domain in ONNX_DOMAINS
 
@@ -87,6 +92,7 @@ class MergeSiblingMatMuls(Rule):
     def rewrite(self, op, m):
         first, weights = m.siblings[0], [tensor(n.inputs[1]) for n in m.siblings]
         merged = op.initializer(lazy.concatenated(weights), f"{first.name}.{self.name}.weight")
+        merged.metadata_props[PROJECTION_KEY] = self.name
         out = op.MatMul(m.activation, merged)
         out.type = first.outputs[0].type
         if m.adds is not None:
@@ -102,5 +108,5 @@ class MergeMatMuls(RulePass):
     description = "merge the Q/K/V projections and the gate/up projections into one MatMul each"
 
     def rules(self, spec: ModelSpec):
-        return [MergeSiblingMatMuls("qkv_merge", 3, "Q/K/V projections"),
+        return [MergeSiblingMatMuls(QKV, 3, "Q/K/V projections"),
                 MergeSiblingMatMuls("gate_up_merge", 2, "gate/up projections")]

@@ -26,6 +26,7 @@ from llmc.contract.options import QUANT_BITS, BuildOptions
 from llmc.passes import lazy
 from llmc.passes.graph import is_lm_head_output, perm, producer, tensor, weight
 from llmc.passes.manager import PassResult
+from llmc.passes.merge_matmuls import PROJECTION_KEY, QKV
 from llmc.passes.quantizers import QuantizedWeight, quantize
 from llmc.passes.rewrite import Rule, RulePass
 
@@ -58,8 +59,9 @@ def matmul_weight(value: ir.Value | None) -> np.ndarray | None:
 class _Quantizer:
     """What the rules share: the options, the calibration statistics and the per-tensor record."""
 
-    def __init__(self, options: BuildOptions):
+    def __init__(self, options: BuildOptions, experts: bool = False):
         self.options = options
+        self.experts = experts  # a mixture-of-experts model: its Q/K/V projection takes 8 bits at int4
         self.importance: dict[str, np.ndarray] = {}  # MatMul node name -> mean square input per row k
         self.records: dict[str, dict] = {}
 
@@ -160,7 +162,12 @@ class QuantizeMatMul(Rule):
         return "lm_head" if is_lm_head_output(m.outputs[0]) else "body"
 
     def _format(self, m) -> str:
-        return self.quantizer.options.format_of(self._role(m))
+        fmt = self.quantizer.options.format_of(self._role(m))
+        # A MoE's attention is a small share of its bytes a token and feeds every expert's choice:
+        # at int4 its Q/K/V projection is stored in 8 bits, as llama.cpp's Q4_0 stores a MoE's.
+        if fmt == "int4" and self.quantizer.experts and m.w.metadata_props.get(PROJECTION_KEY) == QKV:
+            return "int8"
+        return fmt
 
     def check(self, m):
         w = matmul_tensor(m.w)
@@ -361,7 +368,7 @@ class QuantizeWeights(RulePass):
                 QuantizeExperts(self.quantizer)]
 
     def apply(self, model: ir.Model, spec: ModelSpec) -> PassResult:
-        self.quantizer = _Quantizer(self.options)
+        self.quantizer = _Quantizer(self.options, experts=spec.num_experts > 0)
         if self.options.quant_method == "awq" and self.options.quant != "none":
             if self.calibration is None:
                 return PassResult(False, {}, ["--quant-method awq needs calibration text; none was given"])
