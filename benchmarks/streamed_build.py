@@ -1,7 +1,7 @@
 """Streamed build: how long `llmc build` takes and how much memory it peaks at on real-shaped
 checkpoints, next to llama.cpp's convert + quantize, and how fast the results decode.
 
-    python benchmarks/streamed_build.py make-checkpoint --shape 8b|1b --out DIR [--seed N] [--shard-size B] [--verify]
+    python benchmarks/streamed_build.py make-checkpoint --shape 8b|1b|30b-a3b-8l --out DIR [--seed N] [--shard-size B] [--verify]
     python benchmarks/streamed_build.py verify DIR [--load]
     python benchmarks/streamed_build.py build DIR --work WORK [--quant int4,int8[,fp32]] [--no-llmc] [--no-llama-cpp]
                                           [--llmc-src CHECKOUT] [--nice N] [--cache warm|cold|asis] [--rss-limit-gb G]
@@ -38,6 +38,10 @@ Llama-3.2-1B (--shard-size 1e9 for a sharded 1b). Tensor names are HF Llama's.
   1b: Llama-3.2-1B: hidden 2048, 16 layers, 32 heads, 8 KV heads, head_dim 64, intermediate 8192,
       vocab 128256, tied embeddings, llama3 rope_scaling factor 32: 1.24 B parameters, 2.47 GB.
   tiny: 2 layers of hidden 256 with the real vocabulary and untied LM head: the script's smoke test.
+  30b-a3b-8l: Qwen3-30B-A3B's layer (hidden 2048, 32 heads, 4 KV heads, head_dim 128, QK-norm, 128
+      experts of 768 with 8 a token and norm_topk_prob, the per-expert tensors as the hub names
+      them), vocab 151936, untied: 8 of its 48 layers, 5.61 B parameters, 11.2 GB (the whole model's
+      61 GB does not fit this disk beside its engines).
   config.json is written as the hub writes it (rope_theta + rope_scaling, torch_dtype; `dtype`
   too, transformers 5's name). The tokenizer is the project's (models/tokenizer, 1024 tokens,
   <s>/</s>/<pad> = 0/1/2), as every llmc random-weight recipe (smollm2-135m-shape: vocab 49152)
@@ -148,6 +152,14 @@ SHAPES = {
         intermediate_size=512, max_position_embeddings=4096, tie_word_embeddings=False,
         rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 1024, "rope_type": "llama3"})},
+    # Qwen3-30B-A3B's layers (hidden 2048, 32 query / 4 KV heads of 128, QK-norm, 128 experts of 768,
+    # 8 a token), 8 of its 48: the whole model (61 GB bf16) does not fit this disk beside its engines.
+    "30b-a3b-8l": {"like": "Qwen/Qwen3-30B-A3B, 8 of its 48 layers", "config": dict(
+        _COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rope_theta=1000000.0,
+        rms_norm_eps=1e-06, tie_word_embeddings=False, use_sliding_window=False, sliding_window=None)},
 }
 HUB_SHARD_SIZE = 5_000_000_000  # save_pretrained's and the hub's "5GB"
 INIT_STD = 0.02
@@ -168,7 +180,8 @@ SIZE_RATIO = {"q4_0": 0.35, "q8_0": 0.55, "bf16": 1.01, "f16": 1.01, "f32": 2.02
 
 
 def tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """HF Llama's tensors in the order save_pretrained writes them."""
+    """HF Llama's tensors in the order save_pretrained writes them; for a Qwen3-MoE shape, its
+    QK-norms, router and per-expert projections as the hub ships them."""
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
@@ -176,10 +189,19 @@ def tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out += [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                (p + "mlp.down_proj.weight", (h, inter)),
-                (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q))]
+        if cfg.get("num_experts"):
+            e_inter = cfg["moe_intermediate_size"]
+            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)),
+                    (p + "mlp.gate.weight", (cfg["num_experts"], h))]
+            for e in range(cfg["num_experts"]):
+                out += [(p + f"mlp.experts.{e}.gate_proj.weight", (e_inter, h)),
+                        (p + f"mlp.experts.{e}.up_proj.weight", (e_inter, h)),
+                        (p + f"mlp.experts.{e}.down_proj.weight", (h, e_inter))]
+        else:
+            out += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                    (p + "mlp.down_proj.weight", (h, inter))]
+        out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
     out.append(("model.norm.weight", (h,)))
     if not cfg["tie_word_embeddings"]:
         out.append(("lm_head.weight", (vocab, h)))
