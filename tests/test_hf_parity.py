@@ -156,3 +156,21 @@ def test_prefix_cache_hits_and_preemption_match_hf(recipe, engines, hf_models):
     assert [o.token_ids for o in small.generate(prompts, params)] == refs
     assert small.scheduler.num_preemptions > 0
     assert small.blocks.num_free == small.blocks.capacity
+
+
+@pytest.mark.parametrize("recipe", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_speculative_verify_steps_route_each_row_on_its_own(recipe, engines, hf_models):
+    """Prompt-lookup speculation on a MoE: each verify step runs k + 1 rows of a request through
+    the router and the experts together, and the tokens are transformers' still."""
+    hf, _ = hf_models(recipe)
+    rng = np.random.default_rng(5)
+    loop = rng.integers(3, 1024, 6).tolist()
+    prompts = [loop * 5 + rng.integers(3, 1024, n).tolist() for n in (2, 7)]  # repeats prompt lookup proposes
+    refs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            refs.append(hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist())
+    llm = LLM(engines(recipe), speculative="ngram", num_speculative_tokens=4, speculative_adaptive=False)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24))
+    assert [o.token_ids for o in outputs] == refs
+    assert sum(o.metrics.proposed_tokens for o in outputs) > 0
