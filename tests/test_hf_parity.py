@@ -102,11 +102,10 @@ VARIANTS = ("tiny-qwen2-swa", "tiny-phi3-longrope", "tiny-qwen3", "tiny-olmo2", 
 # QK-norm comes after its RoPE, which therefore stays as ops; tiny-stablelm rotates 4 dims a head,
 # whose angles ORT's Cos computes a bit differently for one position than for many (a table must
 # hold the graph's own bits), so its rotation is in the kernel but its angles are computed each step.
-# Ministral 3 scales queries by position after their RoPE, nanochat rotates with the opposite sign
-# and Cohere computes its interleaved angles in a form rope-forms does not match; in these the
-# rotation stays as ops (docs/families.md).
-NO_ROTARY_TABLES = {"tiny-phi3-longrope", "tiny-hunyuan", "tiny-stablelm", "tiny-ministral3", "tiny-nanochat",
-                    "tiny-cohere", "tiny-cohere2"}
+# nanochat rotates with the opposite sign and Cohere computes its interleaved angles in a form
+# rope-forms does not match; in these the rotation stays as ops (docs/families.md).
+NO_ROTARY_TABLES = {"tiny-phi3-longrope", "tiny-hunyuan", "tiny-stablelm", "tiny-nanochat", "tiny-cohere",
+                    "tiny-cohere2"}
 VARIANT_PROMPT_LENS = (23, 9, 40, 100)
 
 

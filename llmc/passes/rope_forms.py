@@ -12,6 +12,10 @@ RotaryEmbedding, which llmc's attention kernel folds and rotary-tables tabulates
 - partial_rope: a rotation of each head's first R dims only (StableLM, GLM, Nemotron) exports as
   Concat(RotaryEmbedding(x[..., :R]), x[..., R:]), which is RotaryEmbedding(x) with
   rotary_embedding_dim R.
+- scaled_rope: Ministral 3 (Llama 4's attention scaling) multiplies each query token by a scale
+  after its RoPE, so the attention's Q is no RotaryEmbedding's output and the kernel that applies
+  RoPE itself stands aside. A rotation is linear, so Mul(RotaryEmbedding(x), s), s one value per
+  token, is RotaryEmbedding(Mul(x, s)).
 """
 
 from __future__ import annotations
@@ -150,10 +154,33 @@ class PartialRope(Rule):
         return out
 
 
+class ScaledRope(Rule):
+    name = "scaled_rope"
+
+    def pattern(self, op, x, cos, sin, scale):
+        return op.Mul(op.RotaryEmbedding(x, cos, sin, _name="rope"), scale)
+
+    def check(self, m):
+        shape = m.scale.shape
+        if shape is None or len(shape) != 4 or shape[1] != 1 or shape[3] != 1:
+            return "the factor is not one value per token ([B, 1, S, 1])"
+        if len(m.rope.outputs[0].uses()) != 1:
+            return "the rotated tensor has other readers"
+        return None
+
+    def rewrite(self, op, m):
+        scaled = op.Mul(m.x, m.scale)
+        scaled.type, scaled.shape = m.x.type, m.x.shape
+        out = op.like(m.rope, scaled, m.cos, m.sin)
+        out.type, out.shape = m.x.type, m.x.shape
+        return out
+
+
 class RopeForms(RulePass):
     name = "rope-forms"
-    description = "RoPE in forms the exporter misses (interleaved pairs, part of each head) as ONNX RotaryEmbedding"
+    description = ("RoPE in forms the exporter misses (interleaved pairs, part of each head, a per-token scale after "
+                   "it) as ONNX RotaryEmbedding")
     fixed_point = True  # a partial rotation is an interleaved one's output first (GLM)
 
     def rules(self, spec: ModelSpec):
-        return [InterleavedRope(spec.head_dim), PartialRope(spec.head_dim)]
+        return [InterleavedRope(spec.head_dim), PartialRope(spec.head_dim), ScaledRope()]
