@@ -97,15 +97,16 @@ VARIANTS = ("tiny-qwen2-swa", "tiny-phi3-longrope", "tiny-qwen3", "tiny-olmo2", 
             "tiny-ernie4_5", "tiny-stablelm", "tiny-olmo", "tiny-helium", "tiny-glm", "tiny-glm4", "tiny-nemotron",
             "tiny-arcee", "tiny-hunyuan", "tiny-exaone4", "tiny-gemma", "tiny-cohere", "tiny-cohere2", "tiny-olmo3",
             "tiny-ministral", "tiny-ministral3", "tiny-vaultgemma", "tiny-hyperclovax", "tiny-nanochat", "tiny-jais2",
-            "tiny-seed_oss", "tiny-qwen3-moe", "tiny-mixtral")
+            "tiny-seed_oss", "tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe", "tiny-flex-olmo",
+            "tiny-hunyuan-moe")
 # Engines without rotary tables: longrope's factors follow the row's longest position; Hunyuan's
 # QK-norm comes after its RoPE, which therefore stays as ops; tiny-stablelm rotates 4 dims a head,
 # whose angles ORT's Cos computes a bit differently for one position than for many (a table must
 # hold the graph's own bits), so its rotation is in the kernel but its angles are computed each step.
 # nanochat rotates with the opposite sign and Cohere computes its interleaved angles in a form
 # rope-forms does not match; in these the rotation stays as ops (docs/families.md).
-NO_ROTARY_TABLES = {"tiny-phi3-longrope", "tiny-hunyuan", "tiny-stablelm", "tiny-nanochat", "tiny-cohere",
-                    "tiny-cohere2"}
+NO_ROTARY_TABLES = {"tiny-phi3-longrope", "tiny-hunyuan", "tiny-hunyuan-moe", "tiny-stablelm", "tiny-nanochat",
+                    "tiny-cohere", "tiny-cohere2"}
 VARIANT_PROMPT_LENS = (23, 9, 40, 100)
 
 

@@ -66,6 +66,10 @@ FAMILIES = (
     # Mixture of experts: the router as ops, each layer's experts one llmc.cpu::Experts (compiler/experts.py).
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", windows="every_layer"),
     Family("mixtral", "MixtralForCausalLM", "mixtral", windows="every_layer"),
+    Family("olmoe", "OlmoeForCausalLM", "olmoe", windows="every_layer"),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe", windows="layer_types"),
+    Family("flex_olmo", "FlexOlmoForCausalLM", "flex_olmo"),
+    Family("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", "hunyuan_v1_moe"),
     Family("gemma", "GemmaForCausalLM", "gemma"),
     Family("cohere", "CohereForCausalLM", "cohere"),
     Family("cohere2", "Cohere2ForCausalLM", "cohere2", windows="layer_types"),
@@ -198,7 +202,7 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
         final_logit_softcap=float(config.get("final_logit_softcapping") or 0.0),
         # The hub's Qwen3-MoE configs say num_experts, transformers 5 and Mixtral num_local_experts.
         num_experts=int(config.get("num_experts") or config.get("num_local_experts") or 0),
-        experts_per_token=int(config.get("num_experts_per_tok") or 0),
+        experts_per_token=int(config.get("num_experts_per_tok") or config.get("moe_topk") or 0),
         expert_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
     )
 
