@@ -70,6 +70,8 @@ FAMILIES = (
     Family("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe", windows="layer_types"),
     Family("flex_olmo", "FlexOlmoForCausalLM", "flex_olmo"),
     Family("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", "hunyuan_v1_moe"),
+    Family("granitemoe", "GraniteMoeForCausalLM", "granitemoe"),
+    Family("phimoe", "PhimoeForCausalLM", "phimoe", windows="every_layer"),
     Family("gemma", "GemmaForCausalLM", "gemma"),
     Family("cohere", "CohereForCausalLM", "cohere"),
     Family("cohere2", "Cohere2ForCausalLM", "cohere2", windows="layer_types"),
@@ -276,7 +278,9 @@ def load_checkpoint(folder: Path, spec: ModelSpec):
     from llmc.compiler import weights
 
     if weights.has_safetensors(folder):
-        stored = weights.with_expert_stacks(weights.SafetensorsWeights(folder))
+        stored = weights.SafetensorsWeights(folder)
+        if spec.num_experts:
+            stored = weights.with_expert_stacks(stored, read_config(folder)["model_type"])
         implied, held = spec.parameter_count(), stored.parameter_count()
         if implied > 1.25 * held:  # before building a module of that size
             raise ModelError(f"config.json describes a model of {implied:,} parameters but the checkpoint in {folder} "

@@ -195,17 +195,18 @@ class ExpertStacks(Weights):
     """A mixture-of-experts checkpoint as transformers 5 names its parameters: each layer's experts
     stacked, `experts.gate_up_proj` [E, 2 inter, hidden] (gate rows, then up rows) and
     `experts.down_proj` [E, hidden, inter], made from the per-expert Linears the hub ships
-    (`experts.{e}.gate_proj` / `up_proj` / `down_proj`, or Mixtral's `w1` / `w3` / `w2` under
-    `block_sparse_moe`). Rows of a stacked tensor are experts, so a pass reads a layer's experts a
-    range at a time; every other tensor is the stored one."""
+    (`experts.{e}.gate_proj` / `up_proj` / `down_proj`, or `w1` / `w3` / `w2`), after the
+    family's renamings as transformers' own conversion mapping lists them (Mixtral's
+    `block_sparse_moe` -> `mlp`, Granite MoE's stacked `input_linear`, PhiMoE's `gate` -> `router`).
+    Rows of a stacked tensor are experts, so a pass reads a layer's experts a range at a time;
+    every other tensor is the stored one."""
 
     PER_EXPERT = re.compile(r"(.*)\.experts\.(\d+)\.(\w+)\.weight$")
     GATE_UP = (("gate_proj", "up_proj"), ("w1", "w3"))
     DOWN = ("down_proj", "w2")
-    MODULE_RENAMES = ((".block_sparse_moe.", ".mlp."),)  # the hub's module path -> transformers 5's
 
-    def __init__(self, stored: Weights):
-        self.stored = stored
+    def __init__(self, stored: Weights, renames: list[tuple[re.Pattern, str]]):
+        self.stored, self.renames = stored, renames
         self.stacks: dict[str, list[list[str]]] = {}  # stacked name -> per expert, the stored rows to join
         self.renamed: dict[str, str] = {}
         by_layer: dict[str, dict[int, dict[str, str]]] = {}
@@ -228,8 +229,8 @@ class ExpertStacks(Weights):
                     self.stacks[f"{target}.down_proj"] = [[experts[e][part]] for e in ids]
 
     def _rename(self, name: str) -> str:
-        for old, new in self.MODULE_RENAMES:
-            name = name.replace(old, new)
+        for pattern, new in self.renames:
+            name = pattern.sub(new, name)
         return name
 
     def names(self) -> list[str]:
@@ -262,6 +263,12 @@ class ExpertStacks(Weights):
         return out
 
 
-def with_expert_stacks(stored: Weights) -> Weights:
-    """`stored`, or where it holds per-expert tensors, the ExpertStacks over it."""
-    return ExpertStacks(stored) if any(ExpertStacks.PER_EXPERT.match(n) for n in stored.names()) else stored
+def with_expert_stacks(stored: Weights, model_type: str) -> Weights:
+    """`stored` as a mixture-of-experts model of `model_type` names its parameters (ExpertStacks)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    renames = [(re.compile(source), target[0] if len(target) == 1 else target[i])
+               for t in get_checkpoint_conversion_mapping(model_type) or [] if type(t) is WeightRenaming
+               for i, source in enumerate(t.source_patterns) for target in [t.target_patterns]]
+    return ExpertStacks(stored, renames)
