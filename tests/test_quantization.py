@@ -212,6 +212,18 @@ def _greedy(engine, prompts, **options):
     return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
 
 
+def _assert_batched_like_alone(engine, seed: int, requests: int, kv_cache_blocks: int) -> None:
+    """Random prompts in flight together (8 at a time, 16-token chunks, a pool small enough to
+    preempt) give each prompt's greedy tokens alone."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 1024, int(n)).tolist() for n in rng.integers(3, 60, requests)]
+    alone = [_greedy(engine, [p], enable_prefix_caching=False)[0] for p in prompts]
+    llm = LLM(engine, max_num_seqs=8, max_num_batched_tokens=24, chunk_size=16, kv_cache_blocks=kv_cache_blocks)
+    together = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    assert llm.scheduler.num_preemptions > 0
+    assert together == alone
+
+
 @needs_kernels
 @pytest.mark.parametrize("options", [dict(quant="int8"), dict(quant="int4", quant_symmetric=False),
                                      dict(quant="int8", kv_cache_dtype="int8"),
@@ -221,13 +233,7 @@ def test_quantized_engines_batch_chunk_and_preempt_like_running_alone(engines, o
     """Greedy outputs of a quantized engine under in-flight batching, chunked prefill and
     preemption equal the same engine's one request at a time."""
     engine = engines("tiny-llama", **options)
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, 1024, int(n)).tolist() for n in rng.integers(3, 60, 10)]
-    alone = [_greedy(engine, [p], enable_prefix_caching=False)[0] for p in prompts]
-    llm = LLM(engine, max_num_seqs=8, max_num_batched_tokens=24, chunk_size=16, kv_cache_blocks=30)
-    together = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
-    assert llm.scheduler.num_preemptions > 0
-    assert together == alone
+    _assert_batched_like_alone(engine, seed=1, requests=10, kv_cache_blocks=30)
     if "kv_cache_dtype" not in options:  # the default cache of a quantized build, as recorded
         assert open_engine(engine).manifest.kv_cache.dtype == "fp16"
         assert open_engine(engine).manifest.build_options.kv_cache_dtype == "fp16"
@@ -276,13 +282,7 @@ def test_experts_are_stored_quantized_and_batch_chunk_and_preempt_like_running_a
     nodes = [n for n in graph.node if n.op_type == "Experts"]
     formats = {a.i for n in nodes for a in n.attribute if a.name == "weight_format"}
     assert len(nodes) == 2 and formats == {quant.WEIGHT_FORMATS[options["quant"]]}
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(3, 1024, int(n)).tolist() for n in rng.integers(3, 60, 8)]
-    alone = [_greedy(engine, [p], enable_prefix_caching=False)[0] for p in prompts]
-    llm = LLM(engine, max_num_seqs=8, max_num_batched_tokens=24, chunk_size=16, kv_cache_blocks=40)
-    together = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
-    assert llm.scheduler.num_preemptions > 0
-    assert together == alone
+    _assert_batched_like_alone(engine, seed=2, requests=8, kv_cache_blocks=40)
 
 
 @needs_kernels

@@ -166,8 +166,6 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     hidden = config["hidden_size"]
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    _check_layer_types(config.get("layer_types"), config["num_hidden_layers"])  # transformers' own message names no layer
-    derived = _transformers_config(config)
     if isinstance(config.get("quantization_config"), dict):
         method = config["quantization_config"].get("quant_method", "unnamed")
         raise ModelError(f"config.json holds a quantized checkpoint (quantization_config, quant_method {method!r}); "
@@ -176,6 +174,8 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     if config.get("use_bidirectional_attention"):
         raise ModelError("config.json sets use_bidirectional_attention (an embedding model, not a decoder); "
                          "llmc builds causal language models")
+    _check_layer_types(config.get("layer_types"), config["num_hidden_layers"])  # transformers' own message names no layer
+    derived = _transformers_config(config)
     rope_theta, rope_scaling, local_theta = _rope(derived)
     window, layer_types = _windows(derived, family, config["num_hidden_layers"])
     return ModelSpec(

@@ -327,6 +327,18 @@ static OrtStatus *swiglu_compute(void *state, OrtKernelContext *ctx) {
     return swiglu_rows(ctx, in, out, dims[x.rank - 1], rows, *activation);
 }
 
+/* Rows of x quantized into act, 8 rows a task (the linear ops' and Experts' phases). */
+typedef struct {
+    const llmc_qact *act;
+    const float *x;
+} quantize_job;
+
+static void quantize_one(void *arg, size_t task) {
+    const quantize_job *q = arg;
+    int64_t row0 = (int64_t)task * 8, row1 = row0 + 8;
+    llmc_quantize_rows(q->act, q->x, row0, row1 < q->act->m ? row1 : q->act->m);
+}
+
 /* -- Experts ----------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -347,23 +359,12 @@ static void experts_one(void *arg, size_t task) {
     (job->down ? llmc_experts_down : llmc_experts_up)(job->a, e, g0, g1 < job->groups ? g1 : job->groups);
 }
 
-typedef struct {
-    const llmc_qact *act;
-    const float *x;
-} experts_quantize_job;
-
-static void experts_quantize_one(void *arg, size_t task) {
-    const experts_quantize_job *q = arg;
-    int64_t row0 = (int64_t)task * 8, row1 = row0 + 8;
-    llmc_quantize_rows(q->act, q->x, row0, row1 < q->act->m ? row1 : q->act->m);
-}
-
 /* One phase's products: for a quantized format its rows quantized first; then each chosen
  * expert's columns in groups, about 4 tasks per CPU in all. */
 static OrtStatus *experts_products(OrtKernelContext *ctx, const llmc_experts *a, int down) {
     if (llmc_format_bits(a->format)) {
-        experts_quantize_job q = {.act = down ? &a->down_rows : &a->up_rows, .x = down ? a->act : a->rows};
-        TRY(parallel(ctx, experts_quantize_one, (size_t)((q.act->m + 7) / 8), &q));
+        quantize_job q = {.act = down ? &a->down_rows : &a->up_rows, .x = down ? a->act : a->rows};
+        TRY(parallel(ctx, quantize_one, (size_t)((q.act->m + 7) / 8), &q));
     }
     experts_job job = {.a = a, .down = down, .groups = llmc_experts_groups(down ? a->hidden : 2 * a->inter)};
     int64_t want = 4 * llmc_cpus(), per_expert = (want + a->num_used - 1) / a->num_used;
@@ -606,17 +607,6 @@ static OrtStatus *lossless_input(OrtKernelContext *ctx, const char *op, size_t i
     return NULL;
 }
 
-typedef struct {
-    const linear_job *job;
-    int64_t rows_per_task;
-} quantize_job;
-
-static void quantize_one(void *arg, size_t task) {
-    const quantize_job *q = arg;
-    int64_t row0 = (int64_t)task * q->rows_per_task, row1 = row0 + q->rows_per_task;
-    llmc_quantize_rows(&q->job->act, q->job->x, row0, row1 < q->job->m ? row1 : q->job->m);
-}
-
 /* The product over the job's panels, in parallel: quantized formats first quantize the rows once
  * (in parallel too when there are many) into a scratch every panel task reads. */
 static OrtStatus *run_linear(OrtKernelContext *ctx, const char *op, const linear_kernel *kernel, linear_job *job) {
@@ -629,12 +619,12 @@ static OrtStatus *run_linear(OrtKernelContext *ctx, const char *op, const linear
     if (rows == NULL)
         return error(op, "out of memory for the quantized rows");
     llmc_qact_init(&job->act, rows, job->m, job->k, kernel->block_size);
-    quantize_job q = {.job = job, .rows_per_task = 8};
+    quantize_job q = {.act = &job->act, .x = job->x};
     OrtStatus *status = NULL;
     if (job->m < 16)
         llmc_quantize_rows(&job->act, job->x, 0, job->m);
     else
-        status = parallel(ctx, quantize_one, (size_t)((job->m + q.rows_per_task - 1) / q.rows_per_task), &q);
+        status = parallel(ctx, quantize_one, (size_t)((job->m + 7) / 8), &q);
     if (status == NULL)
         status = parallel(ctx, linear_one, (size_t)panels_of(job->n), job);
     free(buffer.heap);
