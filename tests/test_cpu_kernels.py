@@ -109,6 +109,13 @@ CASES = {
     "qk-norm": dict(qk_norm=True),
     "decode-qk-norm-head-dim-128": dict(seq=1, past=(40, 3), qlen=(1, 1), heads=8, kv_heads=2, head_dim=128,
                                         block=16, qk_norm=True),
+    # Attention sinks (gpt-oss): a logit per head in the softmax, some far above the scores (the
+    # sum rescales to them), one -inf (no sink); in a prefill tile, a window, and a split decode.
+    "sinks": dict(sinks=True),
+    "prefill-sinks-window": dict(seq=19, past=(0, 30), qlen=(19, 7), heads=4, kv_heads=2, head_dim=64, block=16,
+                                 window=12, sinks=True),
+    "decode-split-sinks": dict(seq=1, past=(300, 3, 40), qlen=(1, 1, 0), heads=4, kv_heads=1, head_dim=64, block=16,
+                               sinks=True),
 }
 
 
@@ -117,7 +124,7 @@ def attention_case(case: dict) -> dict:
     input names and attributes, the feeds but the pool, the pool token-major ("cache") and the
     reference's per-head Q/K/V, rotated ("heads")."""
     c = dict(seq=5, past=(0, 7, 3), qlen=(5, 1, 3), heads=6, kv_heads=2, head_dim=16, block=4, packed=True,
-             rotary=-1, interleaved=0, window=0, softcap=0.0, qk_norm=False) | case
+             rotary=-1, interleaved=0, window=0, softcap=0.0, qk_norm=False, sinks=False) | case
     rng = np.random.default_rng(0)
     batch, seq, h, hkv, d, bs = len(c["past"]), c["seq"], c["heads"], c["kv_heads"], c["head_dim"], c["block"]
     rot = d if c["rotary"] < 0 else c["rotary"]
@@ -146,8 +153,13 @@ def attention_case(case: dict) -> dict:
             heads[i] = (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * w).astype(np.float32)
     if rot:
         heads[0], heads[1] = (_rotate(x, cos, sin, c["interleaved"]) for x in heads[:2])
+    if c["sinks"]:
+        names += [""] * (12 - len(names)) + ["sinks"]  # cpu_ops.c: IN_SINKS
+        feeds["sinks"] = np.resize(np.array([0.5, 8.0, -np.inf, -1.0], np.float32), h)
+        attrs["sinks"] = feeds["sinks"]
     # The reference takes the heads already normalized: the kernel's attributes less the norm's.
     reference_attrs = {k: v for k, v in attrs.items() if k != "qk_norm_epsilon"}
+    attrs.pop("sinks", None)  # an input of the kernel, an argument of the reference
     return dict(c=c, names=names, attrs=attrs, reference_attrs=reference_attrs, feeds=feeds, cache=cache,
                 heads=heads)
 
@@ -263,9 +275,13 @@ def test_skip_rmsnorm_matmul_matches_numpy(rows):
         sess.run(None, {"x": x, "skip": skip[..., :39].copy(), "gamma": gamma, "w": pack_weight(w)})
 
 
-def _gated(gate: np.ndarray, up: np.ndarray, activation: int) -> np.ndarray:
-    """act(gate) * up in float64: SiLU, or GELU's tanh approximation (torch's gelu_pytorch_tanh)."""
+def _gated(gate: np.ndarray, up: np.ndarray, activation: int, alpha: float = 1.702, limit: float = 1.5) -> np.ndarray:
+    """act(gate) * up in float64: SiLU, GELU's tanh approximation (torch's gelu_pytorch_tanh), or
+    gpt-oss's clamped SwiGLU."""
     gate = gate.astype(np.float64)
+    if activation == cpu.ACT_CLAMPED_SWIGLU:
+        gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+        return (up + 1) * gate / (1 + np.exp(-alpha * gate))
     if activation == cpu.ACT_GELU_TANH:
         return 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3))) * up
     return gate / (1 + np.exp(-gate)) * up
@@ -369,13 +385,15 @@ def test_swiglu_kernel(rows, activation):
     np.testing.assert_allclose(out, _gated(x[..., :24], x[..., 24:], activation), rtol=1e-6, atol=1e-6)
 
 
-def _experts_reference(x, ids, weights, gate_up, down, activation):
-    """transformers' experts: per token, its chosen experts' gated MLPs weighted and summed (float64)."""
+def _experts_reference(x, ids, weights, gate_up, down, activation, biases=(None, None)):
+    """transformers' experts: per token, its chosen experts' gated MLPs (with their biases, if any)
+    weighted and summed (float64)."""
     inter, out = down.shape[2], np.zeros(x.shape, np.float64)
     for t, (chosen, w) in enumerate(zip(ids, weights)):
         for e, we in zip(chosen, w):
-            h = gate_up[e].astype(np.float64) @ x[t]
-            out[t] += we * (down[e].astype(np.float64) @ _gated(h[:inter], h[inter:], activation))
+            h = gate_up[e].astype(np.float64) @ x[t] + (0 if biases[0] is None else biases[0][e])
+            y = down[e].astype(np.float64) @ _gated(h[:inter], h[inter:], activation)
+            out[t] += we * (y + (0 if biases[1] is None else biases[1][e]))
     return out
 
 
@@ -398,6 +416,30 @@ def test_experts_kernel_matches_numpy(tokens, top_k, experts, hidden, inter, pac
     out, = session.run(None, {"x": x, "ids": ids, "w": weights, "gate_up": stacks[0], "down": stacks[1]})
     np.testing.assert_allclose(out, _experts_reference(x, ids, weights, gate_up, down, activation), rtol=1e-5,
                                atol=2e-6)
+
+
+@pytest.mark.parametrize("packed", [0, 1])
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (23, 3)])
+def test_gpt_oss_experts_with_biases_and_the_clamped_swiglu_match_numpy(tokens, top_k, packed):
+    """Biases after both products and gpt-oss's clamped SwiGLU, its clamps binding on about half
+    the values."""
+    rng = np.random.default_rng(tokens)
+    experts, hidden, inter = 8, 64, 40
+    x = rng.standard_normal((tokens, hidden), np.float32)
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int64)
+    weights = rng.random((tokens, top_k), np.float32)
+    gate_up = (0.25 * rng.standard_normal((experts, 2 * inter, hidden))).astype(np.float32)
+    down = (0.1 * rng.standard_normal((experts, hidden, inter))).astype(np.float32)
+    biases = [rng.standard_normal((experts, n), np.float32) for n in (2 * inter, hidden)]
+    stacks = (cpu.pack_experts(gate_up), cpu.pack_experts(down)) if packed else (gate_up, down)
+    session = _session("Experts", ["x", "ids", "w", "gate_up", "down", "b1", "b2"], ["y"], {"ids": TensorProto.INT64},
+                       activation=cpu.ACT_CLAMPED_SWIGLU, alpha=1.702, limit=1.5, packed=packed)
+    out, = session.run(None, {"x": x, "ids": ids, "w": weights, "gate_up": stacks[0], "down": stacks[1],
+                              "b1": biases[0], "b2": biases[1]})
+    want = _experts_reference(x, ids, weights, gate_up, down, cpu.ACT_CLAMPED_SWIGLU, biases)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=2e-5)
+    h = np.einsum("eoi,ti->teo", gate_up, x)[np.arange(tokens)[:, None], ids] + biases[0][ids]
+    assert (np.abs(h) > 1.5).mean() > 0.3  # the clamps bind
 
 
 @pytest.mark.parametrize("bits,symmetric", [(8, True), (8, False), (6, True), (4, True), (4, False)])

@@ -98,7 +98,7 @@ VARIANTS = ("tiny-qwen2-swa", "tiny-phi3-longrope", "tiny-qwen3", "tiny-olmo2", 
             "tiny-arcee", "tiny-hunyuan", "tiny-exaone4", "tiny-gemma", "tiny-cohere", "tiny-cohere2", "tiny-olmo3",
             "tiny-ministral", "tiny-ministral3", "tiny-vaultgemma", "tiny-hyperclovax", "tiny-nanochat", "tiny-jais2",
             "tiny-seed_oss", "tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe", "tiny-flex-olmo",
-            "tiny-hunyuan-moe", "tiny-granitemoe", "tiny-phimoe")
+            "tiny-hunyuan-moe", "tiny-granitemoe", "tiny-phimoe", "tiny-gpt-oss")
 # Engines without rotary tables: longrope's factors follow the row's longest position; Hunyuan's
 # QK-norm comes after its RoPE, which therefore stays as ops; tiny-stablelm rotates 4 dims a head,
 # whose angles ORT's Cos computes a bit differently for one position than for many (a table must
@@ -158,7 +158,37 @@ def test_prefix_cache_hits_and_preemption_match_hf(recipe, engines, hf_models):
     assert small.blocks.num_free == small.blocks.capacity
 
 
-@pytest.mark.parametrize("recipe", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_tiny_gpt_oss_has_sinks_that_matter_and_clamps_that_bind(hf_models):
+    """What makes the gpt-oss parity tests mean something: transformers' own tokens change without
+    the attention sinks, and most rows of every expert's SwiGLU meet its clamp."""
+    hf, _ = hf_models("tiny-gpt-oss")
+    prompt = torch.tensor([np.random.default_rng(6).integers(3, 1024, 40).tolist()])
+    clamped = []
+    experts = [m for m in hf.modules() if type(m).__name__ == "GptOssExperts"]
+    for m in experts:  # the share of gate and up values beyond the clamp, per call
+        m._apply_gate = lambda gate_up, m=m, apply=m._apply_gate: (
+            clamped.append((gate_up.abs() > m.limit).float().mean().item()), apply(gate_up))[1]
+    try:
+        with torch.no_grad():
+            with_sinks = hf.generate(prompt, max_new_tokens=24, do_sample=False)
+    finally:
+        for m in experts:
+            del m._apply_gate
+    assert len(clamped) > 0 and np.mean(clamped) > 0.2
+    attention = [m for m in hf.modules() if hasattr(m, "sinks")]
+    saved = [m.sinks.detach().clone() for m in attention]
+    with torch.no_grad():
+        try:
+            for m in attention:
+                m.sinks.fill_(-float("inf"))
+            without = hf.generate(prompt, max_new_tokens=24, do_sample=False)
+        finally:
+            for m, sinks in zip(attention, saved):
+                m.sinks.copy_(sinks)
+    assert len(attention) == 3 and with_sinks.tolist() != without.tolist()
+
+
+@pytest.mark.parametrize("recipe", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-gpt-oss"])
 def test_speculative_verify_steps_route_each_row_on_its_own(recipe, engines, hf_models):
     """Prompt-lookup speculation on a MoE: each verify step runs k + 1 rows of a request through
     the router and the experts together, and the tokens are transformers' still."""

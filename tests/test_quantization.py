@@ -265,23 +265,26 @@ def test_a_quantized_engine_records_what_it_stored(engines):
 
 
 @needs_kernels
+@pytest.mark.parametrize("recipe,sparse_layers", [("tiny-qwen3-moe", 2), ("tiny-gpt-oss", 3)])
 @pytest.mark.parametrize("options", [dict(quant="int8"), dict(quant="int4", quant_symmetric=False)],
                          ids=["int8", "int4-asym"])
-def test_experts_are_stored_quantized_and_batch_chunk_and_preempt_like_running_alone(engines, options):
+def test_experts_are_stored_quantized_and_batch_chunk_and_preempt_like_running_alone(engines, options, recipe,
+                                                                                     sparse_layers):
     """A MoE engine's experts in the body's format (the router a Gemm at fp32), read by the
-    Experts kernel in that format; per-pass verification held the packed kernel to the DequantizeLinear
-    graph while building; batching, chunking and preemption change no token."""
-    engine = engines("tiny-qwen3-moe", **options)
+    Experts kernel in that format (gpt-oss's biases beside them at fp32); per-pass verification held
+    the packed kernel to the DequantizeLinear graph while building; batching, chunking and
+    preemption change no token."""
+    engine = engines(recipe, **options)
     records = open_engine(engine).manifest.quantization.tensors
     experts = {name: r for name, r in records.items() if r.role == "experts"}
-    assert len(experts) == 4 and {r.format for r in experts.values()} == {options["quant"]}  # 2 layers x 2 stacks
+    assert len(experts) == 2 * sparse_layers and {r.format for r in experts.values()} == {options["quant"]}
     assert all(0 < r.relative_error < (0.02 if options["quant"] == "int8" else 0.2) for r in experts.values())
     qkv = {r.format for name, r in records.items() if "qkv_merge" in name}
     assert qkv == {"int8"}  # a MoE's Q/K/V projection takes 8 bits at int4 too
     graph = onnx.load(engine / "model.onnx", load_external_data=False).graph
     nodes = [n for n in graph.node if n.op_type == "Experts"]
     formats = {a.i for n in nodes for a in n.attribute if a.name == "weight_format"}
-    assert len(nodes) == 2 and formats == {quant.WEIGHT_FORMATS[options["quant"]]}
+    assert len(nodes) == sparse_layers and formats == {quant.WEIGHT_FORMATS[options["quant"]]}
     _assert_batched_like_alone(engine, seed=2, requests=8, kv_cache_blocks=40)
 
 

@@ -190,17 +190,19 @@ def test_build_without_tensorrt_fails_in_one_line_before_any_work(tmp_path):
     assert "\n" not in message and "needs TensorRT" in message and "pip install 'llmc[trt]'" in message
 
 
-def test_mixture_of_experts_is_refused_naming_the_missing_plugin():
+def test_mixture_of_experts_and_attention_sinks_are_refused_naming_the_missing_plugin():
     from llmc.compiler.export import export_onnx
     from llmc.compiler.frontend import load_checkpoint, model_spec_from_config, read_config
     from llmc.compiler.recipes import materialize
 
-    folder = materialize("tiny-qwen3-moe")
-    spec = model_spec_from_config(read_config(folder))
-    hf_model, weights = load_checkpoint(folder, spec)
-    model = export_onnx(hf_model, spec, weights)
-    with pytest.raises(LlmcError, match="no plugin for mixture-of-experts layers .*--backend onnxruntime"):
-        PassManager(pipeline(BuildOptions(backend="tensorrt", block_size=BLOCK))).run(model, spec)
+    for recipe, lacks in (("tiny-qwen3-moe", "no plugin for mixture-of-experts layers"),
+                          ("tiny-gpt-oss", "attention plugin has no attention sinks")):
+        folder = materialize(recipe)
+        spec = model_spec_from_config(read_config(folder))
+        hf_model, weights = load_checkpoint(folder, spec)
+        model = export_onnx(hf_model, spec, weights)
+        with pytest.raises(LlmcError, match=f"{lacks} .*--backend onnxruntime"):
+            PassManager(pipeline(BuildOptions(backend="tensorrt", block_size=BLOCK))).run(model, spec)
 
 
 def test_an_fp16_pool_reads_back_token_major():

@@ -7,21 +7,38 @@ one more attention implementation with transformers, `llmc`: a torch custom op c
 and the softcap as attributes, which the exporter writes as `Attention(q, k, v, mask, scale=,
 softcap=)` (ONNX applies the softcap before the mask, as Gemma 2's eager code does). Run in torch
 it computes what transformers' eager attention computes.
+
+Attention sinks (gpt-oss: `s_aux`, a learned logit per head that joins each row's softmax and
+weighs no value) have no ONNX form, so an attention with sinks exports as `llmc::SinkAttention(q,
+k, v, mask, sinks, scale=, softcap=)`, whose meaning in standard ONNX (`sink_function`) travels with
+the model as a model-local function: one zero key and value more, the sink the mask's value at
+that key. The paged rewrite takes the node whole.
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 NAME = "llmc"
+DOMAIN, SINK_OP = "llmc", "SinkAttention"
 
 
 def implementation_for(model_class) -> str:
     """The attention implementation to build `model_class` with: SDPA where it accepts it, else llmc's."""
-    if getattr(model_class, "_supports_sdpa", True):
+    if getattr(model_class, "_supports_sdpa", True) and not _has_sinks(model_class):
         return "sdpa"
     register()
     return NAME
+
+
+def _has_sinks(model_class) -> bool:
+    """Whether the family's attention passes sinks (`s_aux`), which SDPA would drop."""
+    import inspect
+    import sys
+
+    return "s_aux=" in inspect.getsource(sys.modules[model_class.__module__])
 
 
 @functools.cache
@@ -32,8 +49,8 @@ def register() -> None:
     from transformers.masking_utils import sdpa_mask
 
     @torch.library.custom_op("llmc::attention", mutates_args=(), schema=(
-        "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap) -> Tensor"))
-    def attention(q, k, v, mask, scale, softcap):
+        "(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? sinks, float scale, float softcap) -> Tensor"))
+    def attention(q, k, v, mask, sinks, scale, softcap):
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * scale
@@ -46,15 +63,21 @@ def register() -> None:
             scores = scores.masked_fill(~mask, float("-inf"))
         else:
             scores = scores + mask
+        if sinks is not None:  # a column more in the softmax, dropped after it
+            column = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            return torch.matmul(torch.softmax(torch.cat([scores, column], dim=-1).float(), dim=-1)[..., :-1]
+                                .to(q.dtype), v)
         return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
     @attention.register_fake
-    def _(q, k, v, mask, scale, softcap):
+    def _(q, k, v, mask, sinks, scale, softcap):
         return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
-    def forward(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
+    def forward(module, query, key, value, attention_mask, scaling=None, softcap=None, s_aux=None, **kwargs):
         scale = module.head_dim ** -0.5 if scaling is None else scaling
-        out = torch.ops.llmc.attention(query, key, value, attention_mask, float(scale), float(softcap or 0.0))
+        if s_aux is not None and softcap:
+            raise ValueError("attention sinks with a logit softcap: llmc's attention has no such form")
+        out = torch.ops.llmc.attention(query, key, value, attention_mask, s_aux, float(scale), float(softcap or 0.0))
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(NAME, forward)
@@ -70,8 +93,74 @@ def onnx_translations() -> dict:
         return {}
     from onnxscript.onnx_opset import opset23 as op
 
-    def attention(q, k, v, mask=None, scale: float = 1.0, softcap: float = 0.0):
-        out, _, _, _ = op.Attention(q, k, v, mask, scale=scale, softcap=softcap, is_causal=mask is None)
-        return out
+    from onnxscript import values
+
+    _sink_schema_registered()
+    llmc = values.Opset(DOMAIN, 1)
+
+    def attention(q, k, v, mask=None, sinks=None, scale: float = 1.0, softcap: float = 0.0):
+        if sinks is None:
+            out, _, _, _ = op.Attention(q, k, v, mask, scale=scale, softcap=softcap, is_causal=mask is None)
+            return out
+        if mask is None:  # causal: key t seen by query s where t <= s + (T - S)
+            seq, keys = op.Shape(q, start=2, end=3), op.Shape(k, start=2, end=3)
+            t = op.Range(op.Constant(value_int=0), op.Squeeze(keys), op.Constant(value_int=1))
+            s = op.Range(op.Constant(value_int=0), op.Squeeze(seq), op.Constant(value_int=1))
+            mask = op.LessOrEqual(op.Unsqueeze(t, [0]), op.Add(op.Unsqueeze(s, [1]), op.Sub(keys, seq)))
+        return llmc.SinkAttention(q, k, v, mask, sinks, scale=scale, softcap=softcap)
 
     return {torch.ops.llmc.attention.default: attention}
+
+
+@functools.cache
+def _sink_schema_registered() -> None:
+    """llmc::SinkAttention's ONNX schema, registered with onnx so the exporter can write the node."""
+    import onnx
+    from onnx.defs import OpSchema
+
+    formal = OpSchema.FormalParameter
+    onnx.defs.register_schema(OpSchema(
+        SINK_OP, DOMAIN, 1, doc="Attention with a sink logit per head (llmc/compiler/attention.py).",
+        inputs=[formal("q", "T"), formal("k", "T"), formal("v", "T"), formal("mask", "tensor(bool)"),
+                formal("sinks", "T")],
+        outputs=[formal("out", "T")], type_constraints=[("T", ["tensor(float)"], "float32")],
+        attributes=[OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "score scale", required=False),
+                    OpSchema.Attribute("softcap", OpSchema.AttrType.FLOAT, "0: none", required=False)]))
+
+
+def sink_function():
+    """llmc::SinkAttention in opset-23 ops: q [B, H, S, D], k and v [B, Hkv, T, D], a boolean mask
+    broadcastable to [B, H, S, T] (True where a key is seen), sinks [H]. The keys and values gain a
+    zero row, whose score the additive mask sets to the head's sink."""
+    import onnx_ir as ir
+
+    from llmc.ir_builder import OpBuilder
+
+    q, k, v, mask, sinks = (ir.Value(name=n) for n in ("q", "k", "v", "mask", "sinks"))
+    graph = ir.Graph(inputs=[q, k, v, mask, sinks], outputs=[], nodes=[], opset_imports={"": 23}, name=SINK_OP)
+    ops = OpBuilder(graph)
+    extended = []
+    for x in (k, v):
+        shape = ops.Shape(x)
+        zero_row = ops.ConstantOfShape(ops.Concat(ops.Slice(shape, ops.const([0]), ops.const([2])), ops.const([1]),
+                                                  ops.Slice(shape, ops.const([3]), ops.const([4])), axis=0))
+        extended.append(ops.Concat(x, zero_row, axis=2))
+    rows = ops.Concat(ops.Shape(q, start=0, end=3), ops.Shape(k, start=2, end=3), axis=0)  # [B, H, S, T]
+    bias = ops.Expand(ops.Where(mask, ops.const(0.0, np.float32), ops.const(-np.inf, np.float32)), rows)
+    column = ops.Expand(ops.Reshape(sinks, ops.const([1, -1, 1, 1])),
+                        ops.Concat(ops.Shape(q, start=0, end=3), ops.const([1]), axis=0))
+    out = ops.Attention(q, *extended, ops.Concat(bias, column, axis=3),
+                        scale=ir.RefAttr("scale", "scale", ir.AttributeType.FLOAT),
+                        softcap=ir.RefAttr("softcap", "softcap", ir.AttributeType.FLOAT))
+    graph.outputs.append(out)
+    out.name = "out"
+    attrs = [ir.Attr(name, ir.AttributeType.UNDEFINED, None) for name in ("scale", "softcap")]
+    return ir.Function(DOMAIN, SINK_OP, graph=graph, attributes=attrs)
+
+
+def attach_functions(model) -> None:
+    """Give the exported model the meaning of llmc::SinkAttention, where it has such nodes."""
+    if any(n.domain == DOMAIN and n.op_type == SINK_OP for n in model.graph):
+        function = sink_function()
+        model.functions[function.identifier()] = function
+        model.opset_imports.setdefault(DOMAIN, 1)

@@ -84,6 +84,7 @@ def export_onnx(hf_model, spec: ModelSpec, weights=None):
     if weights is None:
         weights = StateDictWeights(hf_model.state_dict())
     _optimize(model, params, weights)
+    attention.attach_functions(model)  # after the optimizer, which would inline it
     return model
 
 

@@ -72,6 +72,7 @@ FAMILIES = (
     Family("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", "hunyuan_v1_moe"),
     Family("granitemoe", "GraniteMoeForCausalLM", "granitemoe"),
     Family("phimoe", "PhimoeForCausalLM", "phimoe", windows="every_layer"),
+    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", windows="layer_types"),
     Family("gemma", "GemmaForCausalLM", "gemma"),
     Family("cohere", "CohereForCausalLM", "cohere"),
     Family("cohere2", "Cohere2ForCausalLM", "cohere2", windows="layer_types"),
@@ -285,32 +286,37 @@ def load_checkpoint(folder: Path, spec: ModelSpec):
         if implied > 1.25 * held:  # before building a module of that size
             raise ModelError(f"config.json describes a model of {implied:,} parameters but the checkpoint in {folder} "
                              f"holds {held:,}; config.json is not this checkpoint's (or is damaged): fix it")
-        model = _with_llmc_experts(skeleton_model(folder))
+        model, layout = _with_llmc_experts(skeleton_model(folder))
+        stored = weights.KernelLayout(stored, *layout) if any(layout) else stored
         _check_tensors(model, stored, folder)
         return model, stored
-    model = _with_llmc_experts(load_hf_model(folder))
+    model, _ = _with_llmc_experts(load_hf_model(folder))
     return model, weights.StateDictWeights(model.state_dict())
 
 
-def _with_llmc_experts(model):
+def _with_llmc_experts(model) -> tuple[Any, tuple[bool, bool]]:
     """A mixture-of-experts model with its experts run by llmc's op (compiler/experts.py), which
-    exports as one node a layer; refused in one line where its experts are of a form the op lacks."""
+    exports as one node a layer, and how the checkpoint stores their stacks (experts.layout: the
+    module's are now in the op's); refused in one line where its experts are of a form the op lacks."""
     if not getattr(model, "_can_set_experts_implementation", lambda: False)():
-        return model
+        return model, (False, False)
     from llmc.compiler import experts
     from llmc.plugins import cpu
 
     modules = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
     if not modules:
-        return model
+        return model, (False, False)
     if (lacks := experts.unsupported(modules[0])) is not None:
         raise ModelError(f"{type(model).__name__}'s experts have {lacks}, which llmc's experts kernel lacks")
     if cpu.library_path() is None:
         raise ModelError(f"{type(model).__name__}'s experts run on llmc's CPU kernels, which this install lacks; "
                          f"{cpu.MISSING_HINT}")
+    layout = experts.layout(modules[0])
+    for module in modules:
+        experts.convert_module(module)
     experts.register()
     model.set_experts_implementation(experts.NAME)
-    return model
+    return model, layout
 
 
 def _check_tensors(model, stored, folder: Path) -> None:

@@ -196,6 +196,8 @@ def _reinit(model, init_std: float, gen) -> None:
                 done.add(id(p))
                 if pname == "bias":
                     p.normal_(0.0, 0.02, generator=gen)
+                elif pname == "sinks":  # a logit per head in each softmax (gpt-oss): big enough to matter
+                    p.normal_(0.0, 1.0, generator=gen)
                 elif is_norm:
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
                 elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) or hasattr(module, "top_k") or (

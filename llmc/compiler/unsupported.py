@@ -57,7 +57,6 @@ MISSING_FEATURES: dict[str, tuple[str, str]] = {
     "exaone_moe": ("ExaoneMoeForCausalLM", "its form of mixture-of-experts layers, not yet checked against transformers"),
     "flint": ("FlintForCausalLM", "its form of mixture-of-experts layers and attention sinks"),
     "glm4_moe": ("Glm4MoeForCausalLM", "its form of mixture-of-experts layers, not yet checked against transformers"),
-    "gpt_oss": ("GptOssForCausalLM", "its form of mixture-of-experts layers and attention sinks"),
     "granitemoe_swa": ("GraniteMoeSWAForCausalLM", "its form of mixture-of-experts layers and attention sinks"),
     "granitemoeshared": ("GraniteMoeSharedForCausalLM", "its form of mixture-of-experts layers, not yet checked against transformers"),
     "hy_v3": ("HYV3ForCausalLM", "its form of mixture-of-experts layers, not yet checked against transformers"),

@@ -263,6 +263,40 @@ class ExpertStacks(Weights):
         return out
 
 
+class KernelLayout(Weights):
+    """Stacked experts stored transposed or with gate and up interleaved (gpt-oss), read in the
+    layout of llmc's experts op (compiler/experts.py, to_kernel_layout); every other tensor as stored."""
+
+    STACKS = ("gate_up_proj", "gate_up_proj_bias", "down_proj")
+
+    def __init__(self, stored: Weights, transposed: bool, interleaved: bool):
+        self.stored, self.transposed, self.interleaved = stored, transposed, interleaved
+
+    def _stack(self, name: str) -> str | None:
+        last = name.rsplit(".", 2)
+        return last[-1] if len(last) == 3 and last[-2] == "experts" and last[-1] in self.STACKS else None
+
+    def names(self) -> list[str]:
+        return self.stored.names()
+
+    def has(self, name: str) -> bool:
+        return self.stored.has(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        shape = self.stored.shape(name)
+        return (shape[0], shape[2], shape[1]) if self.transposed and self._stack(name) in self.STACKS[::2] else shape
+
+    def parameter_count(self) -> int:
+        return self.stored.parameter_count()
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        from llmc.compiler.experts import to_kernel_layout
+
+        w = self.stored.read(name, start, stop)
+        stack = self._stack(name)
+        return w if stack is None else to_kernel_layout(stack, w, self.transposed, self.interleaved)
+
+
 def with_expert_stacks(stored: Weights, model_type: str) -> Weights:
     """`stored` as a mixture-of-experts model of `model_type` names its parameters (ExpertStacks)."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping

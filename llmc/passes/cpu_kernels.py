@@ -38,6 +38,7 @@ from llmc.plugins import cpu
 from llmc.plugins import paged_attention as pa
 
 HEADS_TO_TOKENS = (0, 2, 1, 3)  # [B, H, S, D] <-> [B, S, H, D]
+SINKS = 12  # llmc.cpu::PagedAttention's input (cpu_ops.c: IN_SINKS)
 
 
 def _token_major(value: ir.Value, head_dim: int, norm_ok: bool = False) -> tuple[ir.Value | None, ir.Node | None]:
@@ -99,7 +100,7 @@ class PagedAttentionKernel(Rule):
 
     def pattern(self, op, q, k, v, cache, past_lens, query_lens, block_tables):
         return op.PagedAttention(q, k, v, cache, past_lens, query_lens, block_tables, _domain=pa.DOMAIN,
-                                 _outputs=2, _name="node")
+                                 _outputs=2, _name="node", _other_inputs=True)
 
     def check(self, m):
         return shared_rotary(m.q, m.k)
@@ -126,6 +127,8 @@ class PagedAttentionKernel(Rule):
         if fuse_norms:
             positions += [None, norms[0].inputs[1], norms[1].inputs[1]]  # no positions yet: rotary-tables adds them
             extra["qk_norm_epsilon"] = epsilon
+        if len(node.inputs) > len(pa.INPUTS):  # sinks, after every other optional input
+            positions += [None] * (SINKS - len(pa.INPUTS) - len(positions)) + [node.inputs[len(pa.INPUTS)]]
         out, cache_out = op.PagedAttention(*qkv, m.cache, m.past_lens, m.query_lens, m.block_tables, *positions,
                                            domain=cpu.DOMAIN, num_outputs=2, rotary_interleaved=interleaved,
                                            **attrs, **extra)

@@ -62,6 +62,8 @@ class DecoderLayer(Rule):
             return "the attention reads Q, K and V apart, not packed"
         if len(m.o.outputs) > 1 and m.o.outputs[1] is not None:
             return "the O projection also returns its argmax"
+        if len(m.attention.inputs) > ATTENTION_INPUTS + QK_NORM_INPUTS:
+            return "the attention has sinks, which the layer node does not take"
         return None
 
     def rewrite(self, op, m):

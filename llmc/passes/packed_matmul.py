@@ -179,7 +179,7 @@ class PackedExperts(Rule):
     name = "packed_experts"
 
     def pattern(self, op, x, ids, weights, gate_up, down):
-        return op.Experts(x, ids, weights, gate_up, down, _domain=cpu.DOMAIN, _name="experts")
+        return op.Experts(x, ids, weights, gate_up, down, _domain=cpu.DOMAIN, _name="experts", _other_inputs=True)
 
     def match(self, node):
         m = super().match(node)
@@ -199,7 +199,7 @@ class PackedExperts(Rule):
             stacks[value.name] = op.initializer(lazy.Lazy(
                 np.float32, (experts, -(-n // cpu.PANEL), k, cpu.PANEL),
                 lambda a, b, w=w: cpu.pack_experts(w.rows(a, b))), f"{value.name}.packed")
-        return op.like(m.experts, m.x, m.ids, m.weights, *stacks.values(), packed=1)
+        return op.like(m.experts, m.x, m.ids, m.weights, *stacks.values(), *m.experts.inputs[5:], packed=1)
 
 
 class QuantizedPackedExperts(Rule):
@@ -213,7 +213,7 @@ class QuantizedPackedExperts(Rule):
         return op.Experts(x, ids, weights,
                           op.DequantizeLinear(q_gate_up, s_gate_up, _other_inputs=True, _name="dq_gate_up"),
                           op.DequantizeLinear(q_down, s_down, _other_inputs=True, _name="dq_down"),
-                          _domain=cpu.DOMAIN, _name="experts")
+                          _domain=cpu.DOMAIN, _name="experts", _other_inputs=True)
 
     @staticmethod
     def _stacks(m):
@@ -250,7 +250,7 @@ class QuantizedPackedExperts(Rule):
 
             size = quant.quantized_bytes(k, n, bits, block, asymmetric)
             stacks.append(op.initializer(lazy.Lazy(np.uint8, (experts, size), pack), f"{m.experts.name}.{n}x{k}.packed"))
-        return op.like(m.experts, m.x, m.ids, m.weights, *stacks, packed=1,
+        return op.like(m.experts, m.x, m.ids, m.weights, *stacks, *m.experts.inputs[5:], packed=1,
                        weight_format=quant.WEIGHT_FORMATS[f"int{bits}"], block_size=block, zero_points=int(asymmetric))
 
 

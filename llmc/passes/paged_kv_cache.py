@@ -4,7 +4,8 @@ Before: `Attention(q, k, v, causal_mask)` recomputes attention over the whole se
 After: the graph takes the paged step inputs (llmc.contract.graph_io: past_lens, query_lens,
 block_tables and one pool per layer), writes each new token's K/V into its block and attends over
 the row's cached prefix, and returns each updated pool as the layer's cache output. The causal
-mask the exporter built from position_ids becomes dead and goes.
+mask the exporter built from position_ids becomes dead and goes. `llmc::SinkAttention` (attention
+with sinks: compiler/attention.py) becomes the same op with its sinks as one input more.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import math
 
 import onnx_ir as ir
 
+import numpy as np
+
+from llmc.compiler import attention as sink_attention
 from llmc.contract import graph_io as io
 from llmc.contract import kv_layout
 from llmc.contract.model_spec import ModelSpec
@@ -26,15 +30,17 @@ I32 = ir.DataType.INT32
 class AttentionToPaged(Rule):
     name = "paged_attention"
 
-    def __init__(self, spec: ModelSpec, block_size: int):
-        self.spec, self.block_size = spec, block_size
+    def __init__(self, spec: ModelSpec, block_size: int, sinks: bool = False):
+        self.spec, self.block_size, self.sinks = spec, block_size, sinks
 
     def pattern(self, op, q, k, v):
+        if self.sinks:
+            return op.SinkAttention(q, k, v, _other_inputs=True, _domain=sink_attention.DOMAIN, _name="attention")
         return op.Attention(q, k, v, _other_inputs=True, _name="attention")
 
     def check(self, m):
         node = m.attention
-        if len(node.inputs) > 4 and any(v is not None for v in node.inputs[4:]):
+        if not self.sinks and len(node.inputs) > 4 and any(v is not None for v in node.inputs[4:]):
             return "Attention already has past key/value inputs"
         if m.q.shape is not None and len(m.q.shape) != 4:
             return f"expected 4D [B,H,S,D] query, got rank {len(m.q.shape)}"
@@ -57,7 +63,7 @@ class AttentionToPaged(Rule):
         out, cache_out = op.op(
             pa.OP_TYPE, m.q, m.k, m.v, cache, op.graph_input(io.PAST_LENS, I32, [io.BATCH]),
             op.graph_input(io.QUERY_LENS, I32, [io.BATCH]),
-            op.graph_input(io.BLOCK_TABLES, I32, [io.BATCH, io.MAX_BLOCKS]),
+            op.graph_input(io.BLOCK_TABLES, I32, [io.BATCH, io.MAX_BLOCKS]), *node.inputs[4:5] if self.sinks else (),
             domain=pa.DOMAIN, num_outputs=2, **attrs.as_dict())
         cache_out.type, cache_out.shape = cache.type, cache.shape
         op.graph_output(cache_out, io.cache_output(layer))
@@ -73,12 +79,25 @@ class PagedKVCache(RulePass):
         self.block_size = block_size
 
     def rules(self, spec: ModelSpec):
-        return [AttentionToPaged(spec, self.block_size)]
+        return [AttentionToPaged(spec, self.block_size), AttentionToPaged(spec, self.block_size, sinks=True)]
 
     def finish(self, model: ir.Model, spec: ModelSpec, counts) -> None:
         # The op's meaning as a model-local function: the rewritten graph runs in ORT as is.
-        function = pa.build_function()
+        paged = [n for n in model.graph if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE]
+        sinks = any(len(n.inputs) > len(pa.INPUTS) for n in paged)
+        if sinks:  # one function per model: a layer without sinks takes -inf ones
+            none = None
+            for node in paged:
+                if len(node.inputs) == len(pa.INPUTS):
+                    if none is None:
+                        none = ir.Value(name="attention.no_sinks", const_value=ir.tensor(
+                            np.full(spec.num_heads, -np.inf, np.float32)))
+                        model.graph.register_initializer(none)
+                    node.resize_inputs(len(pa.INPUTS) + 1)
+                    node.replace_input_with(len(pa.INPUTS), none)
+        function = pa.build_function(sinks)
         model.functions[function.identifier()] = function
+        model.functions.pop((sink_attention.DOMAIN, sink_attention.SINK_OP, ""), None)
         contract_input_order(model, spec.num_layers)
 
 

@@ -293,7 +293,7 @@ class QuantizeExperts(Rule):
     def pattern(self, op, x, ids, weights, gate_up, down):
         from llmc.plugins import cpu
 
-        return op.Experts(x, ids, weights, gate_up, down, _domain=cpu.DOMAIN, _name="experts")
+        return op.Experts(x, ids, weights, gate_up, down, _domain=cpu.DOMAIN, _name="experts", _other_inputs=True)
 
     def match(self, node):
         m = super().match(node)
@@ -312,7 +312,7 @@ class QuantizeExperts(Rule):
     def rewrite(self, op, m):
         fmt = self.quantizer.options.format_of("body")
         stacks = [self._dequantized(op, tensor(v), fmt, f"{m.experts.name}.{v.name}") for v in (m.gate_up, m.down)]
-        return op.like(m.experts, m.x, m.ids, m.weights, *stacks)
+        return op.like(m.experts, m.x, m.ids, m.weights, *stacks, *m.experts.inputs[5:])
 
     def _dequantized(self, op, w: lazy.Lazy, fmt: str, name: str) -> ir.Value:
         q = self.quantizer

@@ -12,6 +12,9 @@ RotaryEmbedding, which llmc's attention kernel folds and rotary-tables tabulates
 - partial_rope: a rotation of each head's first R dims only (StableLM, GLM, Nemotron) exports as
   Concat(RotaryEmbedding(x[..., :R]), x[..., R:]), which is RotaryEmbedding(x) with
   rotary_embedding_dim R.
+- halves_rope: gpt-oss writes rotate-half RoPE out over the two halves of each head, with cos and
+  sin of half the head's width: Concat(x1 cos - x2 sin, x2 cos + x1 sin), x1, x2 = Split(x), which
+  is `RotaryEmbedding(x, cos, sin)` as ONNX defines it.
 - scaled_rope: Ministral 3 (Llama 4's attention scaling) multiplies each query token by a scale
   after its RoPE, so the attention's Q is no RotaryEmbedding's output and the kernel that applies
   RoPE itself stands aside. A rotation is linear, so Mul(RotaryEmbedding(x), s), s one value per
@@ -154,6 +157,34 @@ class PartialRope(Rule):
         return out
 
 
+class HalvesRope(Rule):
+    name = "halves_rope"
+
+    def pattern(self, op, x, cos, sin):
+        first, second = op.Split(x, _outputs=2, _name="split")
+        return op.Concat(op.Sub(op.Mul(first, cos, _commute=True), op.Mul(second, sin, _commute=True)),
+                         op.Add(op.Mul(second, cos, _commute=True), op.Mul(first, sin, _commute=True), _commute=True),
+                         _name="concat")
+
+    def check(self, m):
+        width = _width(m.x)
+        if width is None or width % 2:
+            return "not a [B, H, S, D] tensor with a static, even D"
+        if m.split.attributes.get_int("axis", 0) not in LAST or m.concat.attributes.get_int("axis", 0) not in LAST:
+            return "the halves are not split and joined along the head's dims"
+        if len(m.split.inputs) > 1 and const_ints(m.split.inputs[1]) != [width // 2] * 2:
+            return "the split is not into equal halves"
+        for angles in (m.cos, m.sin):
+            if _unsqueezed(angles, (1,)) is None or _width(angles) != width // 2:
+                return "cos and sin are not [B, 1, S, D/2] angles of each token"
+        return None
+
+    def rewrite(self, op, m):
+        out = op.RotaryEmbedding(m.x, _unsqueezed(m.cos, (1,)), _unsqueezed(m.sin, (1,)))
+        out.type, out.shape = m.x.type, m.x.shape
+        return out
+
+
 class ScaledRope(Rule):
     name = "scaled_rope"
 
@@ -178,9 +209,9 @@ class ScaledRope(Rule):
 
 class RopeForms(RulePass):
     name = "rope-forms"
-    description = ("RoPE in forms the exporter misses (interleaved pairs, part of each head, a per-token scale after "
-                   "it) as ONNX RotaryEmbedding")
+    description = ("RoPE in forms the exporter misses (interleaved pairs, part of each head, halves written out, a "
+                   "per-token scale after it) as ONNX RotaryEmbedding")
     fixed_point = True  # a partial rotation is an interleaved one's output first (GLM)
 
     def rules(self, spec: ModelSpec):
-        return [InterleavedRope(spec.head_dim), PartialRope(spec.head_dim), ScaledRope()]
+        return [InterleavedRope(spec.head_dim), PartialRope(spec.head_dim), HalvesRope(), ScaledRope()]

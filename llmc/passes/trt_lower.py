@@ -69,6 +69,9 @@ class TensorRTPlugin(RulePass):
         return [PluginNode()]
 
     def apply(self, model: ir.Model, spec: ModelSpec):
+        if any(n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE and len(n.inputs) > len(pa.INPUTS) for n in model.graph):
+            raise LlmcError("llmc's TensorRT attention plugin has no attention sinks yet; build this model with "
+                            "--backend onnxruntime")
         if any(n.domain == cpu.DOMAIN and n.op_type == "Experts" for n in model.graph):
             raise LlmcError("the TensorRT backend has no plugin for mixture-of-experts layers (llmc.cpu::Experts) "
                             "yet; build this model with --backend onnxruntime")

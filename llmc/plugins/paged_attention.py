@@ -36,6 +36,10 @@ ONNX_OPSET = 23
 
 INPUTS = ("query", "key", "value", "cache", PAST_LENS, QUERY_LENS, BLOCK_TABLES)
 OUTPUTS = ("output", "cache_out")
+# An attention with sinks (gpt-oss; compiler/attention.py) takes them [num_heads] after these: a
+# logit per head that joins each row's softmax and weighs no value. A model's layers all have the
+# input or none does (-inf: no sink), since the op's function is one per model.
+SINKS = "sinks"
 # A kernel that applies the query's and key's RoPE itself (llmc.cpu's, TensorRT's plugin) takes
 # their ONNX RotaryEmbedding's per-token cos/sin [B, S, R/2] after these, with the attribute
 # `rotary_interleaved`: the op is then RotaryEmbedding(query), RotaryEmbedding(key), then itself.
@@ -119,9 +123,12 @@ def emit_step_metadata(ops, past_lens, query_lens, block_tables, batch, seq, blo
                         out_heads=ops.Concat(batch, seq, heads, minus_one, axis=0))
 
 
-def emit_layer_attention(ops, q, k, v, cache, meta: StepMetadata, *, num_heads, num_kv_heads, scale, softcap):
+def emit_layer_attention(ops, q, k, v, cache, meta: StepMetadata, *, num_heads, num_kv_heads, scale, softcap,
+                         sinks=None):
     """One layer: write the new K/V in place, read the row's blocks, attend. Returns
-    (output [B, Hq, S, D], updated cache). Attribute arguments may be RefAttrs (in the function)."""
+    (output [B, Hq, S, D], updated cache). Attribute arguments may be RefAttrs (in the function).
+    With `sinks` the keys and values gain a zero row whose score the additive mask sets to the
+    head's sink (compiler/attention.py, sink_function)."""
     const, perm = ops.const, (0, 2, 1, 3)
     # One ScatterND writes K and V together: a single op whose input is the graph's cache input
     # and whose output is the graph's cache output is what lets ORT update the pool in place.
@@ -130,20 +137,33 @@ def emit_layer_attention(ops, q, k, v, cache, meta: StepMetadata, *, num_heads, 
     cache_out = ops.ScatterND(cache, meta.write_index, new_kv)
     keys, values = (ops.Reshape(ops.GatherND(cache_out, idx), meta.kv_rows) for idx in meta.read_index)
     q3 = ops.Reshape(ops.Transpose(q, perm=perm), meta.q_rows, allowzero=1)
-    y3 = ops.Attention(q3, keys, values, meta.mask, q_num_heads=num_heads, kv_num_heads=num_kv_heads,
+    mask = meta.mask
+    if sinks is not None:
+        keys, values = (ops.Concat(x, ops.ConstantOfShape(ops.Concat(
+            ops.Shape(x, start=0, end=1), const([1]), ops.Shape(x, start=2, end=3), axis=0)), axis=1)
+            for x in (keys, values))
+        rows = ops.Shape(q, start=0, end=3)  # [B, Hq, S]
+        bias = ops.Expand(ops.Where(mask, const(0.0, np.float32), const(-np.inf, np.float32)),
+                          ops.Concat(rows, ops.Shape(mask, start=3, end=4), axis=0))
+        column = ops.Expand(ops.Reshape(sinks, const([1, -1, 1, 1])), ops.Concat(rows, const([1]), axis=0))
+        mask = ops.Concat(bias, column, axis=3)
+    y3 = ops.Attention(q3, keys, values, mask, q_num_heads=num_heads, kv_num_heads=num_kv_heads,
                        scale=scale, softcap=softcap)
     y4 = ops.Reshape(y3, meta.out_heads, allowzero=1)
     return ops.Transpose(y4, perm=perm), cache_out
 
 
-def build_function():
-    """The op as an ONNX model-local function (domain llmc), in opset-23 ops ORT runs on CPU."""
+def build_function(sinks: bool = False):
+    """The op as an ONNX model-local function (domain llmc), in opset-23 ops ORT runs on CPU; with
+    `sinks`, of the op taking them (SINKS)."""
     import onnx_ir as ir
 
     from llmc.ir_builder import OpBuilder
 
     q, k, v, cache, past_lens, query_lens, block_tables = (ir.Value(name=n) for n in INPUTS)
-    fn_graph = ir.Graph(inputs=[q, k, v, cache, past_lens, query_lens, block_tables], outputs=[],
+    sink_input = ir.Value(name=SINKS) if sinks else None
+    fn_graph = ir.Graph(inputs=[q, k, v, cache, past_lens, query_lens, block_tables, *([sink_input] if sinks else [])],
+                        outputs=[],
                         nodes=[], opset_imports={"": ONNX_OPSET}, name=OP_TYPE)
     ops = OpBuilder(fn_graph)
     INT, FLOAT = ir.AttributeType.INT, ir.AttributeType.FLOAT
@@ -162,7 +182,8 @@ def build_function():
                               ops.Mul(dim(cache_shape_, 3), dim(cache_shape_, 4)))
     output, cache_out = emit_layer_attention(
         ops, q, k, v, cache, meta, num_heads=ref("num_heads", INT),
-        num_kv_heads=ref("num_kv_heads", INT), scale=ref("scale", FLOAT), softcap=ref("softcap", FLOAT))
+        num_kv_heads=ref("num_kv_heads", INT), scale=ref("scale", FLOAT), softcap=ref("softcap", FLOAT),
+        sinks=sink_input)
     fn_graph.outputs.extend([output, cache_out])
     output.name, cache_out.name = OUTPUTS
     attrs = [ir.Attr(f.name, ir.AttributeType.UNDEFINED, None) for f in dataclasses.fields(PagedAttentionAttrs)]
@@ -170,8 +191,9 @@ def build_function():
 
 
 def reference(query, key, value, cache, past_lens, query_lens, block_tables, *, num_heads,
-              num_kv_heads, scale, sliding_window=0, softcap=0.0, kv_dtype="fp32"):
+              num_kv_heads, scale, sliding_window=0, softcap=0.0, kv_dtype="fp32", sinks=None):
     """Numpy oracle. Returns (output, updated cache); the input cache is not modified.
+    `sinks` [num_heads]: each head's sink logit joins its softmax (SINKS).
     `cache` is float32 token-major; with a `kv_dtype` other than fp32 each new token's K and V
     are stored as a pool of that dtype holds them (kv_layout.round_trip: rounded, or quantized
     per token and head), so the oracle attends over the values the CPU kernel reads back."""
@@ -203,7 +225,10 @@ def reference(query, key, value, cache, past_lens, query_lens, block_tables, *, 
             scores = q @ ks[:, lo:p + 1].transpose(0, 2, 1) * scale  # [Hkv, group, T]
             if softcap:
                 scores = softcap * np.tanh(scores / softcap)
-            w = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            w /= w.sum(axis=-1, keepdims=True)
+            top = scores.max(axis=-1, keepdims=True)
+            sink = np.zeros_like(top) if sinks is None else np.exp(
+                sinks.reshape(num_kv_heads, group, 1) - top)
+            w = np.exp(scores - top)
+            w /= w.sum(axis=-1, keepdims=True) + sink
             out[b, :, j] = (w @ vs[:, lo:p + 1]).reshape(num_heads, head_dim)
     return out, cache

@@ -20,6 +20,7 @@ DOMAIN = "llmc.cpu"
 VERSION = 1
 PANEL = 32  # PackedMatMul's column panel width (LLMC_PANEL in kernels.h)
 ACT_SILU, ACT_GELU_TANH = 0, 1  # SwiGLU's and SwiGLUMatMul's `activation` (LLMC_ACT_* in kernels.h)
+ACT_CLAMPED_SWIGLU = 2  # Experts' only: gpt-oss's, with attributes alpha and limit
 
 
 class PackedGemm(NamedTuple):

@@ -15,24 +15,6 @@
 #define LLMC_X86 1
 #endif
 
-/* exp(x) for x <= 88: 2^n * e^y with |y| <= ln2/2 and a degree-7 Taylor polynomial (relative
- * error ~1e-8, under float rounding). Plain arithmetic, so loops calling it vectorize. */
-static inline float exp_f(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float y = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-    float p = 1.0f / 5040.0f;
-    p = p * y + 1.0f / 720.0f;
-    p = p * y + 1.0f / 120.0f;
-    p = p * y + 1.0f / 24.0f;
-    p = p * y + 1.0f / 6.0f;
-    p = p * y + 0.5f;
-    p = p * y + 1.0f;
-    p = p * y + 1.0f;
-    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
-}
-
 /* -- 16-bit and int8 pools (kernels.h, kv_type) ------------------------------------------------
  * The conversions are integer arithmetic, bit for bit numpy's astype(float16) and ml_dtypes'
  * bfloat16 (round to nearest even), whatever the CPU. */
@@ -386,7 +368,11 @@ int64_t llmc_attention_tasks(const llmc_attention *a) {
     return a->batch * (a->num_heads / heads_per_task(a)) * tiles * a->splits;
 }
 
-/* A (row, head)'s chunks, each [max, sum, output[d]] over its keys: the softmax over all of them. */
+/* exp(sink - top) for a head's sink (-inf: none, weight 0) and the max `top` it is measured from. */
+static inline float sink_weight(float sink, float top) { return sink == -INFINITY ? 0.0f : exp_f(sink - top); }
+
+/* A (row, head)'s chunks, each [max, sum, output[d]] over its keys: the softmax over all of them
+ * (and the head's sink). */
 LLMC_CLONES
 void llmc_attention_combine(const llmc_attention *a) {
     int64_t d = a->head_dim, S = a->splits, stride = d + 2;
@@ -398,10 +384,14 @@ void llmc_attention_combine(const llmc_attention *a) {
             float best = -INFINITY, total = 0.0f, weight[LLMC_MAX_SPLITS];
             for (int64_t c = 0; c < S; c++)
                 best = part[c * stride] > best ? part[c * stride] : best;
+            if (a->sinks != NULL && a->sinks[h] > best)
+                best = a->sinks[h];
             for (int64_t c = 0; c < S; c++) {  /* a chunk that saw no key has max -inf: weight 0 */
                 weight[c] = part[c * stride + 1] > 0.0f ? exp_f(part[c * stride] - best) : 0.0f;
                 total += weight[c] * part[c * stride + 1];
             }
+            if (a->sinks != NULL)
+                total += sink_weight(a->sinks[h], best);
             float *restrict dst = a->out + b * a->num_heads * d + h * d;
             for (int64_t i = 0; i < d; i++)
                 dst[i] = 0.0f;
@@ -964,6 +954,10 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
         }
         float *dst = a->out + (b * a->seq + j0 + r % nq) * out_stride + (h0 + r / nq) * d;
         float inv = 1.0f / l[r];
+        if (a->sinks != NULL) {  /* the sink's exp(s - m) joins the sum; where it is above the max, all rescale */
+            float sink = a->sinks[h0 + r / nq], top = sink > m[r] ? sink : m[r], kept = exp_f(m[r] - top);
+            inv = kept / (l[r] * kept + sink_weight(sink, top));
+        }
         for (int64_t i = 0; i < d; i++)
             dst[i] = acc[r * d + i] * inv;
     }

@@ -114,7 +114,10 @@ static OrtStatus *parallel(OrtKernelContext *ctx, void (*fn)(void *, size_t), si
 
 /* -- PagedAttention -------------------------------------------------------------------------- */
 
-enum { IN_Q, IN_K, IN_V, IN_CACHE, IN_PAST, IN_QLEN, IN_TABLES, IN_COS, IN_SIN, IN_POS, IN_Q_NORM, IN_K_NORM, NUM_IN };
+enum {
+    IN_Q, IN_K, IN_V, IN_CACHE, IN_PAST, IN_QLEN, IN_TABLES, IN_COS, IN_SIN, IN_POS, IN_Q_NORM, IN_K_NORM, IN_SINKS,
+    NUM_IN
+};
 
 typedef struct {
     int64_t num_heads, num_kv_heads, sliding_window, interleaved;
@@ -218,6 +221,11 @@ static OrtStatus *attention_setup(const char *op, const attention_kernel *kernel
         TRY(data(t[IN_Q_NORM].value, (void **)&a.q_norm));
         TRY(data(t[IN_K_NORM].value, (void **)&a.k_norm));
         a.norm_eps = kernel->qk_norm_epsilon;
+    }
+    if (t[IN_SINKS].value != NULL) {
+        if (t[IN_SINKS].type != ORT_FLOAT || t[IN_SINKS].rank != 1 || t[IN_SINKS].dims[0] != a.num_heads)
+            return error(op, "sinks must be float32 [num_heads]");
+        TRY(data(t[IN_SINKS].value, (void **)&a.sinks));
     }
     a.interleaved = (int)kernel->interleaved;
     a.scale = kernel->scale;
@@ -343,6 +351,7 @@ static void quantize_one(void *arg, size_t task) {
 
 typedef struct {
     int64_t activation, packed, format, block_size, zero_points;
+    float alpha, limit;
 } experts_kernel;
 
 typedef struct {
@@ -371,6 +380,12 @@ static OrtStatus *experts_products(OrtKernelContext *ctx, const llmc_experts *a,
     job.groups_per_task = (job.groups + per_expert - 1) / per_expert;
     job.tasks_per_expert = (job.groups + job.groups_per_task - 1) / job.groups_per_task;
     return parallel(ctx, experts_one, (size_t)(a->num_used * job.tasks_per_expert), &job);
+}
+
+static void experts_activate_one(void *arg, size_t task) {
+    const llmc_experts *a = arg;
+    int64_t r0 = (int64_t)task * 8, r1 = r0 + 8, pairs = a->tokens * a->top_k;
+    llmc_experts_activate(a, r0, r1 < pairs ? r1 : pairs);
 }
 
 static void experts_combine_one(void *arg, size_t task) {
@@ -414,12 +429,14 @@ static const char *experts_shapes(const experts_kernel *k, const tensor *gate_up
 
 static OrtStatus *experts_compute(void *state, OrtKernelContext *ctx) {
     const experts_kernel *k = state;
-    tensor x, ids, weights, gate_up, down;
+    tensor x, ids, weights, gate_up, down, bias[2];
     TRY(input(ctx, 0, &x));
     TRY(input(ctx, 1, &ids));
     TRY(input(ctx, 2, &weights));
     TRY(input(ctx, 3, &gate_up));
     TRY(input(ctx, 4, &down));
+    TRY(input(ctx, 5, &bias[0]));
+    TRY(input(ctx, 6, &bias[1]));
     if (x.rank != 2 || ids.rank != 2 || weights.rank != 2 || x.type != ORT_FLOAT || ids.type != ORT_INT64 ||
         weights.type != ORT_FLOAT || ids.dims[0] != x.dims[0] || weights.dims[0] != x.dims[0] ||
         weights.dims[1] != ids.dims[1] || ids.dims[1] < 1 || gate_up.rank < 2 || down.rank < 2)
@@ -427,10 +444,20 @@ static OrtStatus *experts_compute(void *state, OrtKernelContext *ctx) {
                                 "[tokens, top_k] float32");
     llmc_experts a = {.tokens = x.dims[0], .top_k = ids.dims[1], .hidden = x.dims[1], .experts = gate_up.dims[0],
                       .packed = (int)k->packed, .activation = (int)k->activation, .format = (int)k->format,
-                      .zero_points = (int)k->zero_points, .block_size = k->block_size};
+                      .zero_points = (int)k->zero_points, .block_size = k->block_size, .alpha = k->alpha,
+                      .limit = k->limit};
     const char *problem = experts_shapes(k, &gate_up, &down, &a);
     if (problem != NULL)
         return error("Experts", problem);
+    const float **biases[2] = {&a.gate_up_bias, &a.down_bias};
+    for (int i = 0; i < 2; i++) {
+        if (bias[i].value == NULL)
+            continue;
+        if (bias[i].type != ORT_FLOAT || bias[i].rank != 2 || bias[i].dims[0] != a.experts ||
+            bias[i].dims[1] != (i == 0 ? 2 * a.inter : a.hidden))
+            return error("Experts", "gate_up_bias must be float32 [experts, 2 inter] and down_bias [experts, hidden]");
+        TRY(data(bias[i].value, (void **)biases[i]));
+    }
     TRY(data(x.value, (void **)&a.x));
     TRY(data(ids.value, (void **)&a.ids));
     TRY(data(weights.value, (void **)&a.weights));
@@ -465,7 +492,7 @@ static OrtStatus *experts_compute(void *state, OrtKernelContext *ctx) {
     problem = llmc_experts_plan(&a);
     OrtStatus *status = problem != NULL ? error("Experts", problem) : experts_products(ctx, &a, 0);
     if (status == NULL)
-        status = swiglu_rows(ctx, a.gate_up_out, a.act, a.inter, pairs, a.activation);
+        status = parallel(ctx, experts_activate_one, (size_t)((pairs + 7) / 8), &a);
     if (status == NULL)
         status = experts_products(ctx, &a, 1);
     if (status == NULL)
@@ -1223,12 +1250,16 @@ static const char *read_experts(const OrtKernelInfo *info, void *kernel) {
     read_int(info, "weight_format", LLMC_FORMAT_FP32, &k->format);
     read_int(info, "block_size", 0, &k->block_size);
     read_int(info, "zero_points", 0, &k->zero_points);
+    read_float(info, "alpha", 0.0f, &k->alpha);
+    read_float(info, "limit", 0.0f, &k->limit);
     if (k->packed != 0 && k->packed != 1)
         return "attribute packed must be 0 (weights as the checkpoint holds them) or 1 (panels)";
     if (k->format != LLMC_FORMAT_FP32 && (!llmc_format_bits(k->format) || !k->packed))
         return "attribute weight_format must be 0 (fp32) or a quantized format (3, 4, 5) with packed 1";
     if (llmc_format_bits(k->format) && k->block_size != 32 && k->block_size != 64 && k->block_size != 128)
         return "attribute block_size must be 32, 64 or 128";
+    if (k->activation == LLMC_ACT_CLAMPED_SWIGLU)
+        return k->limit > 0.0f ? NULL : "attribute limit (the clamped SwiGLU's) must be above 0";
     return activation_problem(k->activation);
 }
 
@@ -1404,10 +1435,15 @@ static void define(op_description *d, const char *name, create_fn create, comput
     op->GetEndVersion = end_version;
 }
 
-/* Experts' input 1, the chosen ids, is int64; the weights (3, 4) float32 or uint8 blobs; the rest float32. */
+/* Experts' input 1, the chosen ids, is int64; the weights (3, 4) float32 or uint8 blobs; the rest
+ * float32, the biases (5, 6) optional. */
 static int32_t experts_input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
-    return i == 1 ? ORT_INT64 : i >= 3 ? ORT_UNDEFINED : ORT_FLOAT;
+    return i == 1 ? ORT_INT64 : i == 3 || i == 4 ? ORT_UNDEFINED : ORT_FLOAT;
+}
+static int32_t experts_input_kind(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i >= 5 ? ORT_OPTIONAL : ORT_REQUIRED;
 }
 
 static op_description attention_op, swiglu_op, linear_op, norm_linear_op, swiglu_linear_op, layer_op, experts_op;
@@ -1440,7 +1476,7 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
                layer_input_kind);
         layer_op.op.GetOutputType = layer_output_type;
         layer_op.op.InferOutputShapeFn = layer_infer;
-        define(&experts_op, "Experts", experts_create, experts_compute, 5, 1, experts_input_type, required);
+        define(&experts_op, "Experts", experts_create, experts_compute, 7, 1, experts_input_type, experts_input_kind);
     }
 
     OrtCustomOpDomain *domain;

@@ -89,7 +89,32 @@ void llmc_experts_down(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1)
     product(a, &a->down_rows, e, a->act, a->down, a->down_out, a->inter, a->hidden, g0, g1);
 }
 
-/* Tokens [t0, t1): each the sum of its slots' outputs times their weights, slot by slot. */
+LLMC_CLONES
+void llmc_experts_activate(const llmc_experts *a, int64_t r0, int64_t r1) {
+    int64_t width = a->inter;
+    for (int64_t r = r0; r < r1; r++) {
+        float *gate = a->gate_up_out + r * 2 * width, *up = gate + width, *dst = a->act + r * width;
+        if (a->gate_up_bias != NULL) {
+            const float *bias = a->gate_up_bias + a->ids[a->slot[r]] * 2 * width;
+#pragma omp simd
+            for (int64_t i = 0; i < 2 * width; i++)
+                gate[i] += bias[i];
+        }
+        if (a->activation != LLMC_ACT_CLAMPED_SWIGLU) {
+            llmc_swiglu_rows(gate, dst, width, 0, 1, a->activation);
+            continue;
+        }
+        float limit = a->limit, alpha = a->alpha;
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++) {
+            float g = gate[i] < limit ? gate[i] : limit, u = up[i] < -limit ? -limit : up[i] > limit ? limit : up[i];
+            dst[i] = (u + 1.0f) * g / (1.0f + exp_f(-alpha * g));
+        }
+    }
+}
+
+/* Tokens [t0, t1): each the sum of its slots' outputs (plus their expert's bias) times their
+ * weights, slot by slot. */
 void llmc_experts_combine(const llmc_experts *a, int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
         float *out = a->out + t * a->hidden;
@@ -99,6 +124,11 @@ void llmc_experts_combine(const llmc_experts *a, int64_t t0, int64_t t1) {
             float w = a->weights[t * a->top_k + s];
             for (int64_t h = 0; h < a->hidden; h++)
                 out[h] += w * y[h];
+            if (a->down_bias != NULL) {
+                const float *bias = a->down_bias + a->ids[t * a->top_k + s] * a->hidden;
+                for (int64_t h = 0; h < a->hidden; h++)
+                    out[h] += w * bias[h];
+            }
         }
     }
 }

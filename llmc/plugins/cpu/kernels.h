@@ -51,6 +51,9 @@ typedef struct {
     const int32_t *past_lens, *query_lens, *block_tables;
     float *out; /* [B, S, num_heads * head_dim] */
     float scale, softcap;
+    /* Attention sinks (gpt-oss): [num_heads] logits, each joining its head's softmax as a key that
+     * weighs no value; NULL: none. */
+    const float *sinks;
     int64_t sliding_window;
     int64_t rows_per_task;
     /* Key chunks per decode row (llmc_attention_splits) and, when above 1, the chunks' partial
@@ -80,8 +83,9 @@ void llmc_attention_task(const llmc_attention *a, int64_t task);
 void llmc_attention_combine(const llmc_attention *a);
 
 /* The gate's activation of a gated MLP: SiLU (SwiGLU), or GELU's tanh approximation (GeGLU:
- * Gemma's gelu_pytorch_tanh). */
-enum { LLMC_ACT_SILU = 0, LLMC_ACT_GELU_TANH = 1 };
+ * Gemma's gelu_pytorch_tanh); the experts also take gpt-oss's clamped SwiGLU,
+ * (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit). */
+enum { LLMC_ACT_SILU = 0, LLMC_ACT_GELU_TANH = 1, LLMC_ACT_CLAMPED_SWIGLU = 2 };
 /* out[r, i] = act(x[r, i]) * x[r, width + i] for rows [row0, row1): x is [rows, 2 * width]. */
 void llmc_swiglu_rows(const float *x, float *out, int64_t width, int64_t row0, int64_t row1, int activation);
 
@@ -173,7 +177,8 @@ void llmc_linear_16bit(const float *x, const uint16_t *w, float *y, int64_t m, i
 int llmc_quant_fast_path(void);
 
 /* -- mixture-of-experts layers (experts.c) -------------------------------------------------------
- * out[t] = sum over slots s of weights[t, s] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = ids[t, s]:
+ * out[t] = sum over slots s of weights[t, s] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = ids[t, s]
+ * (each product plus expert e's bias where the op has them: gate_up_bias [E, 2 inter], down_bias [E, hidden]):
  * llmc.cpu::Experts, what transformers' experts module computes from the router's choice. The
  * weights, per expert: gate_up [2 * inter, hidden] (gate rows, then up rows) and down
  * [hidden, inter], either as the checkpoint holds them (fp32, packed 0) or each expert as a packed
@@ -189,7 +194,9 @@ typedef struct {
     const int64_t *ids;      /* [tokens, top_k] */
     const float *weights;    /* [tokens, top_k] */
     const void *gate_up, *down;
+    const float *gate_up_bias, *down_bias; /* or NULL */
     int packed, activation;  /* LLMC_ACT_* */
+    float alpha, limit;      /* LLMC_ACT_CLAMPED_SWIGLU's */
     int format, zero_points; /* LLMC_FORMAT_*: fp32 (by packed) or a quantized one */
     int64_t block_size;
     float *out;              /* [tokens, hidden] */
@@ -209,6 +216,8 @@ const char *llmc_experts_plan(llmc_experts *a);
 int64_t llmc_experts_groups(int64_t n);
 void llmc_experts_up(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1);
 void llmc_experts_down(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1);
+/* Rows [r0, r1) of gate_up_out, their expert's bias added, through the activation into act. */
+void llmc_experts_activate(const llmc_experts *a, int64_t r0, int64_t r1);
 void llmc_experts_combine(const llmc_experts *a, int64_t t0, int64_t t1);
 
 #endif

@@ -2,6 +2,9 @@
 #ifndef LLMC_SIMD_H
 #define LLMC_SIMD_H
 
+#include <math.h>
+#include <stdint.h>
+
 /* Each exported kernel is cloned for AVX-512, AVX2 + FMA and baseline x86-64; the loader picks the
  * best the CPU has, so one build runs anywhere. In target_clones a comma separates clones, so the
  * middle one cannot be "avx2,fma" (that makes an AVX2 clone without FMA, which the resolver picks
@@ -12,6 +15,24 @@
 #else
 #define LLMC_CLONES
 #endif
+
+/* exp(x) for x <= 88: 2^n * e^y with |y| <= ln2/2 and a degree-7 Taylor polynomial (relative
+ * error ~1e-8, under float rounding). Plain arithmetic, so loops calling it vectorize. */
+static inline float exp_f(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float y = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * y + 1.0f / 720.0f;
+    p = p * y + 1.0f / 120.0f;
+    p = p * y + 1.0f / 24.0f;
+    p = p * y + 1.0f / 6.0f;
+    p = p * y + 0.5f;
+    p = p * y + 1.0f;
+    p = p * y + 1.0f;
+    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
 
 /* What Python calls through ctypes (the library is built with hidden visibility). */
 #define LLMC_EXPORT __attribute__((visibility("default")))
