@@ -2,7 +2,7 @@
 apply_chat_template does: the special tokens as variables (Gemma's and Llama 3's BOS, OLMo 2's
 EOS), raise_exception (Gemma 2 has no system role), namespace and enable_thinking (Qwen3),
 {% generation %} and /no_think (SmolLM3), strftime_now, break, `tools is none` and a non-ASCII
-tojson (Llama 3.1, Granite). The templates are written here in the hub's forms (the hub is out
+tojson (Llama 3.1, Granite), harmony's channels and reasoning_effort (gpt-oss). The templates are written here in the hub's forms (the hub is out
 of reach); the tokenizer is the project's, whose special tokens are <s>, </s> and <pad>."""
 
 from __future__ import annotations
@@ -153,6 +153,47 @@ GRANITE = """{%- if messages[0]['role'] == 'system' %}
 {%- endfor %}
 """
 
+# gpt-oss's harmony format: a system turn the template writes itself (identity, knowledge cutoff,
+# today's date, reasoning effort, the channels), the caller's system prompt as a developer turn,
+# an assistant's past reasoning dropped but for the last turn's (channel analysis), answers on
+# channel final, and the prompt ending where the model names its channel.
+GPT_OSS = """{%- if reasoning_effort is not defined %}
+    {%- set reasoning_effort = "medium" %}
+{%- endif %}
+{%- if model_identity is not defined %}
+    {%- set model_identity = "You are ChatGPT, a large language model trained by OpenAI." %}
+{%- endif %}
+{{- "<|start|>system<|message|>" + model_identity + "\n" }}
+{{- "Knowledge cutoff: 2024-06\n" }}
+{{- "Current date: " + strftime_now("%Y-%m-%d") + "\n\n" }}
+{{- "Reasoning: " + reasoning_effort + "\n\n" }}
+{{- "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>" }}
+{%- if messages[0].role in ("system", "developer") %}
+    {{- "<|start|>developer<|message|># Instructions\n\n" + messages[0].content + "\n\n<|end|>" }}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- set last_user = namespace(at=-1) %}
+{%- for message in loop_messages %}
+    {%- if message.role == "user" %}{%- set last_user.at = loop.index0 %}{%- endif %}
+{%- endfor %}
+{%- for message in loop_messages %}
+    {%- if message.role == "user" %}
+        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
+    {%- elif message.role == "assistant" %}
+        {%- if message.thinking is defined and loop.index0 > last_user.at %}
+            {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+        {%- endif %}
+        {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+    {%- else %}
+        {{- raise_exception("Only user and assistant turns may follow the first message, not " + message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- "<|start|>assistant" }}
+{%- endif %}"""
+
 SYSTEM = {"role": "system", "content": "Answer briefly. /no_think"}
 CHAT = [{"role": "user", "content": "  What is paging?  "},
         {"role": "assistant", "content": "<think>\nblocks\n</think>\n\nFixed-size blocks."},
@@ -166,6 +207,8 @@ CASES = {  # template, conversations, chat_template_kwargs
     "smollm3-no-thinking": (SMOLLM3, [CHAT], {"enable_thinking": False}),
     "llama3.1": (LLAMA31, [CHAT, [SYSTEM, *CHAT, {"role": "ipython", "content": "x"}]], {}),
     "olmo2": (OLMO2, [[SYSTEM, *CHAT]], {}),
+    "gpt-oss": (GPT_OSS, [CHAT, [SYSTEM, *CHAT, {"role": "assistant", "thinking": "Pages.", "content": "Yes."}]],
+                {"reasoning_effort": "low"}),
     "granite": (GRANITE, [CHAT, [SYSTEM, *CHAT[:2], {**CHAT[2], "metadata": {"sprache": "Deutsch, überall"}}]], {}),
 }
 

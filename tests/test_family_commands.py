@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import FAMILIES
-from test_chat_templates import GEMMA2, GEMMA3, GRANITE, LLAMA31, OLMO2, QWEN3, SMOLLM3
+from test_chat_templates import GEMMA2, GEMMA3, GPT_OSS, GRANITE, LLAMA31, OLMO2, QWEN3, SMOLLM3
 from test_server import _Server
 
 from llmc.cli import main
@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 TEMPLATES = {"tiny-llama": LLAMA31, "tiny-qwen3": QWEN3, "tiny-smollm3": SMOLLM3, "tiny-olmo2": OLMO2,
-             "tiny-granite": GRANITE, "tiny-gemma2": GEMMA2, "tiny-gemma3": GEMMA3}
+             "tiny-granite": GRANITE, "tiny-gemma2": GEMMA2, "tiny-gemma3": GEMMA3, "tiny-gpt-oss": GPT_OSS}
 MESSAGES = [{"role": "user", "content": "What is a paged KV cache?"}]
 TEXT = "".join(f"def area_{i}(r):\n    return 3.14159 * r * r  # über {i}\n\n" for i in range(12))
 NEW_TOKENS = 12

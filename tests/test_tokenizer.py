@@ -257,3 +257,52 @@ def test_gemma_byte_fallback_bpe_exports_like_transformers(tmp_path):
     fallback = served.encode("你好 🙂").tokens
     assert any(t.startswith("<0x") for t in fallback)  # byte fallback, not <unk>
     assert (export.bos_token, export.eos_token, export.unk_token) == ("<bos>", "<eos>", "<unk>")
+
+
+# o200k's pre-tokenizer split (tiktoken's o200k_base, which gpt-oss's tokenizer.json writes as a
+# Split before a regex-free ByteLevel): cased words with their contractions, digit runs of up to
+# three, punctuation runs with trailing newlines, whitespace.
+O200K_SPLIT = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
+HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                    "<|end|>", "<|message|>", "<|call|>"]
+
+
+def _o200k_tokenizer_json() -> dict:
+    """A tokenizer.json in gpt-oss's published format, trained here: byte-level BPE behind o200k's
+    regex split, harmony's special tokens, no BOS."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(O200K_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=HARMONY_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [t * 3 for t in TEXTS] + ["The Quick brown FOX can't jump 12345 times; it'll REST.\n\n" * 4]
+    tok.train_from_iterator(corpus, trainer)
+    return json.loads(tok.to_str())
+
+
+def test_gpt_oss_o200k_style_tokenizer_exports_like_transformers(tmp_path):
+    """Digits split in threes, case-split words and contractions, harmony's specials whole: the
+    engine's tokenizer encodes and decodes as transformers does."""
+    config = recipes.load_recipe("tiny-gpt-oss")["config"]
+    folder = _folder(tmp_path, config, _o200k_tokenizer_json(), tokenizer_class="PreTrainedTokenizerFast",
+                     bos_token="<|startoftext|>", eos_token="<|return|>", pad_token="<|endoftext|>",
+                     add_bos_token=False)
+    export = export_tokenizer(folder, tmp_path / "out")
+    _assert_matches_transformers(folder, tmp_path / "out", ["<|start|>", "<|message|>", "<|end|>"])
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(folder)
+    served = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    assert [served.decode([i]) for i in served.encode("12345").ids] == ["123", "45"]
+    for text in _texts(["<|start|>", "<|channel|>", "<|return|>"]):
+        ids = hf(text).input_ids
+        assert served.decode(ids, skip_special_tokens=False) == hf.decode(ids), text
+    assert (export.eos_token, export.pad_token) == ("<|return|>", "<|endoftext|>")
