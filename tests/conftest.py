@@ -21,7 +21,7 @@ FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-phi3", "tiny-qwen3
             "tiny-arcee", "tiny-hunyuan", "tiny-exaone4", "tiny-gemma", "tiny-cohere", "tiny-cohere2", "tiny-olmo3",
             "tiny-ministral", "tiny-ministral3", "tiny-vaultgemma", "tiny-hyperclovax", "tiny-nanochat", "tiny-jais2",
             "tiny-seed_oss", "tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe", "tiny-flex-olmo",
-            "tiny-hunyuan-moe", "tiny-granitemoe", "tiny-phimoe", "tiny-gpt-oss")
+            "tiny-hunyuan-moe", "tiny-granitemoe", "tiny-phimoe", "tiny-gpt-oss", "tiny-granite-swa")
 BLOCK_SIZE = 4
 MAX_CONTEXT = 256
 # For tests of llmc's CPU kernels: CI's install compiles them, so there they always run.

@@ -98,7 +98,7 @@ VARIANTS = ("tiny-qwen2-swa", "tiny-phi3-longrope", "tiny-qwen3", "tiny-olmo2", 
             "tiny-arcee", "tiny-hunyuan", "tiny-exaone4", "tiny-gemma", "tiny-cohere", "tiny-cohere2", "tiny-olmo3",
             "tiny-ministral", "tiny-ministral3", "tiny-vaultgemma", "tiny-hyperclovax", "tiny-nanochat", "tiny-jais2",
             "tiny-seed_oss", "tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe", "tiny-flex-olmo",
-            "tiny-hunyuan-moe", "tiny-granitemoe", "tiny-phimoe", "tiny-gpt-oss")
+            "tiny-hunyuan-moe", "tiny-granitemoe", "tiny-phimoe", "tiny-gpt-oss", "tiny-granite-swa")
 # Engines without rotary tables: longrope's factors follow the row's longest position; Hunyuan's
 # QK-norm comes after its RoPE, which therefore stays as ops; tiny-stablelm rotates 4 dims a head,
 # whose angles ORT's Cos computes a bit differently for one position than for many (a table must

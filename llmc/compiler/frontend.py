@@ -73,6 +73,7 @@ FAMILIES = (
     Family("granitemoe", "GraniteMoeForCausalLM", "granitemoe"),
     Family("phimoe", "PhimoeForCausalLM", "phimoe", windows="every_layer"),
     Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", windows="layer_types"),
+    Family("granite_swa", "GraniteSWAForCausalLM", "granite_swa", windows="layer_types"),
     Family("gemma", "GemmaForCausalLM", "gemma"),
     Family("cohere", "CohereForCausalLM", "cohere"),
     Family("cohere2", "Cohere2ForCausalLM", "cohere2", windows="layer_types"),

@@ -33,7 +33,6 @@ MISSING_FEATURES: dict[str, tuple[str, str]] = {
     "gpt_neox_japanese": ("GPTNeoXJapaneseForCausalLM",
                           "a family record (a dense decoder llmc has not been checked against)"),
     "gptj": ("GPTJForCausalLM", "a parallel attention and MLP block and a bias on the LM head"),
-    "granite_swa": ("GraniteSWAForCausalLM", "attention sinks"),
     "modernbert-decoder": ("ModernBertDecoderForCausalLM",
                            "a LayerNorm on the token embeddings, a dense prediction head before the LM head and a bias on the LM head"),
     "mpt": ("MptForCausalLM", "ALiBi position biases"),
