@@ -143,13 +143,15 @@ enum {
     LLMC_FORMAT_INT4 = 4,
     LLMC_FORMAT_INT6 = 5
 };
-/* The bits of a quantized format, or 0 for the others. */
+/* The bits of a quantized format, or 0 for the others: whether a weight is a blob of
+ * llmc_quant_bytes that llmc_linear_quant reads. */
 static inline int llmc_format_bits(int64_t format) {
     return format == LLMC_FORMAT_INT8 ? 8 : format == LLMC_FORMAT_INT6 ? 6 : format == LLMC_FORMAT_INT4 ? 4 : 0;
 }
 
-int64_t llmc_quant_block_bytes(int bits, int64_t block, int zero_points);
-int64_t llmc_quant_bytes(int64_t k, int64_t n, int bits, int64_t block, int zero_points);
+/* A quantized format's bytes per block of a panel, and a [k, n] weight's blob (format LLMC_FORMAT_*). */
+int64_t llmc_quant_block_bytes(int format, int64_t block, int zero_points);
+int64_t llmc_quant_bytes(int64_t k, int64_t n, int format, int64_t block, int zero_points);
 
 /* Rows quantized once per op call, before the parallel loop over panels (a scratch of
  * llmc_qact_bytes). */
@@ -163,9 +165,10 @@ int64_t llmc_qact_bytes(int64_t m, int64_t k, int64_t block);
 void llmc_qact_init(llmc_qact *a, void *scratch, int64_t m, int64_t k, int64_t block);
 void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_t row1);
 
-/* y[m, n] = the quantized rows times a quantized blob, panels [p0, p1). AVX2 where the CPU has
- * it (llmc_quant_fast_path), plain C elsewhere: the same integer sums either way. */
-void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int bits, int zero_points,
+/* y[m, n] = the quantized rows times a quantized blob of `format` (LLMC_FORMAT_INT8, INT6 or INT4),
+ * panels [p0, p1). AVX2 where the CPU has it (llmc_quant_fast_path), AVX-512 VNNI where it
+ * has that, plain C elsewhere: the same integer sums either way. */
+void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int format, int zero_points,
                        int64_t p0, int64_t p1);
 /* y[m, n] = x @ W for 16-bit panels, panels [p0, p1). */
 void llmc_linear_16bit(const float *x, const uint16_t *w, float *y, int64_t m, int64_t k, int64_t n, int bf16,
