@@ -22,7 +22,7 @@ from llmc.plugins.cpu import pack_weight, quant
 pytestmark = needs_kernels
 F32 = TensorProto.FLOAT
 WEIGHT_TYPES = {"fp32": F32, "bf16": TensorProto.UINT16, "fp16": TensorProto.UINT16, "int8": TensorProto.UINT8,
-                "int6": TensorProto.UINT8, "int4": TensorProto.UINT8}
+                "int6": TensorProto.UINT8, "int4": TensorProto.UINT8, "mxfp4": TensorProto.UINT8}
 _SESSIONS: dict = {}
 
 
@@ -129,7 +129,7 @@ def test_the_decode_tiles_are_measured_once_per_host(tmp_path, monkeypatch):
 
     monkeypatch.setenv("LLMC_CACHE", str(tmp_path))
     tiles = host.measure(_library())
-    assert set(tiles) == {"int4", "int6", "int8", "bf16", "fp16"}
+    assert set(tiles) == {"int4", "int6", "int8", "mxfp4", "bf16", "fp16"}
     for choice in tiles.values():
         assert choice["seconds"]["avx2"] > 0 and choice["tile"] == min(choice["seconds"], key=choice["seconds"].get)
     host.use_measured_kernels.cache_clear()

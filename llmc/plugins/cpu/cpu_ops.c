@@ -499,7 +499,8 @@ static int64_t panels_of(int64_t n) { return (n + LLMC_PANEL - 1) / LLMC_PANEL; 
 
 /* A quantized format's name, for messages. */
 static const char *quant_name(int format) {
-    return format == LLMC_FORMAT_INT8 ? "int8" : format == LLMC_FORMAT_INT6 ? "int6" : "int4";
+    return format == LLMC_FORMAT_MXFP4 ? "mxfp4" : format == LLMC_FORMAT_INT8 ? "int8"
+                                                  : format == LLMC_FORMAT_INT6 ? "int6" : "int4";
 }
 
 /* x [.., K] against a weight packed for n output columns in the kernel's format: [ceil(n / 32), K,
@@ -1200,6 +1201,12 @@ static OrtStatus *attention_create(const OrtCustomOp *op, const OrtApi *ort, con
     return new_kernel("PagedAttention", sizeof(attention_kernel), read_attention, info, kernel_out);
 }
 
+/* NULL, or why an mxfp4 weight's attributes are wrong: its blocks are always 32 k, symmetric. */
+static const char *mxfp4_problem(int64_t format, int64_t block_size, int64_t zero_points) {
+    return format == LLMC_FORMAT_MXFP4 && (block_size != 32 || zero_points != 0)
+               ? "weight_format 6 (mxfp4) needs block_size 32 and zero_points 0" : NULL;
+}
+
 /* NULL, or what is wrong with a gated MLP's `activation` attribute (SwiGLU, SwiGLUMatMul). */
 static const char *activation_problem(int64_t activation) {
     return activation != LLMC_ACT_SILU && activation != LLMC_ACT_GELU_TANH
@@ -1229,10 +1236,11 @@ static const char *read_experts(const OrtKernelInfo *info, void *kernel) {
     if (k->packed != 0 && k->packed != 1)
         return "attribute packed must be 0 (weights as the checkpoint holds them) or 1 (panels)";
     if (k->format != LLMC_FORMAT_FP32 && (!llmc_format_bits(k->format) || !k->packed))
-        return "attribute weight_format must be 0 (fp32) or a quantized format (3, 4, 5) with packed 1";
+        return "attribute weight_format must be 0 (fp32) or a quantized format (3, 4, 5, 6) with packed 1";
     if (llmc_format_bits(k->format) && k->block_size != 32 && k->block_size != 64 && k->block_size != 128)
         return "attribute block_size must be 32, 64 or 128";
-    return activation_problem(k->activation);
+    const char *mxfp4 = mxfp4_problem(k->format, k->block_size, k->zero_points);
+    return mxfp4 != NULL ? mxfp4 : activation_problem(k->activation);
 }
 
 static OrtStatus *experts_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
@@ -1259,12 +1267,13 @@ static const char *read_linear(const OrtKernelInfo *info, const char *prefix, li
         return activation_problem(k->activation);
     if (k->n <= 0)
         return "attribute n (output columns) must be positive";
-    if (k->format < LLMC_FORMAT_FP32 || k->format > LLMC_FORMAT_INT6)
-        return "attribute weight_format must be 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8), 4 (int4) or 5 (int6)";
+    if (k->format < LLMC_FORMAT_FP32 || k->format > LLMC_FORMAT_MXFP4)
+        return "attribute weight_format must be 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8), 4 (int4), 5 (int6) or "
+               "6 (mxfp4)";
     if (llmc_format_bits(k->format) && ((k->block_size != 32 && k->block_size != 64 && k->block_size != 128) ||
                                         (k->zero_points != 0 && k->zero_points != 1)))
         return "quantized weights need block_size 32, 64 or 128 and zero_points 0 or 1";
-    return NULL;
+    return mxfp4_problem(k->format, k->block_size, k->zero_points);
 }
 
 static const char *read_gemm(const OrtKernelInfo *info, void *kernel) { return read_linear(info, "", kernel); }

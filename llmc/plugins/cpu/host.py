@@ -27,7 +27,7 @@ log = logging.getLogger("llmc")
 # Per weight format, the tiles a choice is between (the first is the one every host can run), the
 # probe that times them and the setter that takes a choice (-1: the library's default). The quantized
 # formats by their weight_format (LLMC_FORMAT_* in kernels.h).
-QUANT_FORMATS = {"int4": 4, "int6": 5, "int8": 3}
+QUANT_FORMATS = {"int4": 4, "int6": 5, "int8": 3, "mxfp4": 6}
 SIXTEEN_BIT = {"fp16": 0, "bf16": 1}
 TILES = {**{fmt: ("avx2", "vnni") for fmt in QUANT_FORMATS}, **{fmt: ("avx2", "avx512") for fmt in SIXTEEN_BIT}}
 # The probes' weights, more than the 32 MB L3 of the hosts met: [4096, 16384] quantized (36-68 MB),

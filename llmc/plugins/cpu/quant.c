@@ -1,5 +1,5 @@
-/* See kernels.h: the quantized (int8/int4 blockwise) and 16-bit (bf16/fp16) weight formats of the
- * packed GEMM. Each has an AVX2 path (intrinsics, target avx2+fma+f16c, chosen at run time) and a
+/* See kernels.h: the quantized (int8/int6/int4 blockwise, mxfp4) and 16-bit (bf16/fp16) weight formats
+ * of the packed GEMM. Each has an AVX2 path (intrinsics, target avx2+fma+f16c, chosen at run time) and a
  * plain C one for other CPUs, which computes the same integer dot products.
  *
  * The quantized tile is rows [0, R) x one 32-column panel. Per group of 4 k steps, a 32-byte
@@ -14,7 +14,12 @@
  * - int6: int4's nibbles OR'd with the high 2 bits of a third vector (shifted into bits 4-5),
  *   unsigned 0..63 (the symmetric ones stored + 32): 63 * 127 * 2 = 16002 per pair, widened at
  *   once as int8's.
- * The zero point (the stored offsets of int4/int6 included) is applied at the end of a sub-block as
+ * - mxfp4: int4's nibbles, each E2M1 code looked up (vpshufb) in a 16-byte table of 2 * its value
+ *   + MX_BIAS: the weight operand must be unsigned, and the bias is taken off as int4's + 8 is.
+ *   0..24: 24 * 127 * 2 = 6096 per pair, so eight groups would overflow 16 bits: widened at once
+ *   as int6's. (Signs moved onto x, as int8's, keep 16-bit sums but measured slower.) The block's
+ *   factor 2^(e - 128) is made from the E8M0 bytes' bits (mx_scale).
+ * The zero point (the stored offsets of int4/int6/mxfp4 included) is applied at the end of a sub-block as
  * dot - zp * sum(xq), exact in float32 (every term an integer below 2^24), then the sub-block adds
  * scale[c] * sx[r] * that to the row's float accumulator.
  * Two rows per tile: 8 integer accumulators, 4 weight vectors and the constants fill the 16 ymm
@@ -29,6 +34,7 @@
 #include <time.h>
 
 #define QUANT_HEADER 64     /* a block's 32 scales, float16 */
+#define MX_HEADER 32        /* mxfp4's: 32 E8M0 bytes */
 #define QUANT_ZP 32         /* a block's 32 zero points, int8 (asymmetric only) */
 #define SUB 32              /* k steps per activation sum, and int4's 16-bit sub-block */
 #ifndef QUANT_AHEAD
@@ -48,26 +54,50 @@
 #define VNNI_FEW_ROWS 8
 #define FEW_ROWS 16
 
-/* The functions below take a quantized format (LLMC_FORMAT_INT8, INT6, INT4), in the tiles a
- * compile-time constant. */
+/* The functions below take a quantized format (LLMC_FORMAT_INT8, INT6, INT4, MXFP4), in the tiles a
+ * compile-time constant: mxfp4 is int4's nibbles with another decode and header. */
 static int64_t group_bytes(int format) {
     const int bits = llmc_format_bits(format);
     return (bits == 8 ? 4 : bits == 6 ? 3 : 2) * LLMC_PANEL;
 }
-/* A quantized format's row in the tables of tiles and decode choices: int4, int6, int8; -1 for the
- * others. */
-#define QUANT_FORMAT_COUNT 3
+/* A quantized format's row in the tables of tiles and decode choices: int4, int6, int8, mxfp4; -1
+ * for the others. */
+#define QUANT_FORMAT_COUNT 4
 static int format_index(int format) {
-    return format == LLMC_FORMAT_INT4 ? 0 : format == LLMC_FORMAT_INT6 ? 1 : format == LLMC_FORMAT_INT8 ? 2 : -1;
+    return format == LLMC_FORMAT_INT4    ? 0
+           : format == LLMC_FORMAT_INT6  ? 1
+           : format == LLMC_FORMAT_INT8  ? 2
+           : format == LLMC_FORMAT_MXFP4 ? 3
+                                         : -1;
+}
+static int64_t header_bytes(int format, int zp) {
+    return (format == LLMC_FORMAT_MXFP4 ? MX_HEADER : QUANT_HEADER) + (zp ? QUANT_ZP : 0);
 }
 
-/* What a symmetric format stores each q plus, so the kernel's weight operand is unsigned. */
+/* mxfp4's codes as the tiles read them: 2 * the E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6, then
+ * their negatives), an integer, + MX_BIAS. */
+#define MX_BIAS 12
+static const uint8_t MX_CODES[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* What a symmetric format stores each q plus (mxfp4: its table's), so the kernel's weight operand is
+ * unsigned. */
 static float stored_offset(int format) {
-    return format == LLMC_FORMAT_INT8 ? 0.0f : format == LLMC_FORMAT_INT6 ? 32.0f : 8.0f;
+    return format == LLMC_FORMAT_INT8 ? 0.0f : format == LLMC_FORMAT_INT6 ? 32.0f
+                                             : format == LLMC_FORMAT_MXFP4 ? (float)MX_BIAS : 8.0f;
+}
+
+/* An E8M0 byte's block factor float32(2^(e - 127)) / 2 (kernels.h): 2^(e - 127) is the float whose
+ * bits are e << 23 (255: +inf), but for e = 0, the subnormal 2^-127 (bits 1 << 22). Halved, as the
+ * codes read as twice their value. The tiles make it the same way, 8 or 16 at a time. */
+static float mx_scale(uint8_t e) {
+    uint32_t bits = e ? (uint32_t)e << 23 : 1u << 22;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return 0.5f * f;
 }
 
 int64_t llmc_quant_block_bytes(int format, int64_t block, int zero_points) {
-    return QUANT_HEADER + (zero_points ? QUANT_ZP : 0) + block / 4 * group_bytes(format);
+    return header_bytes(format, zero_points) + block / 4 * group_bytes(format);
 }
 
 int64_t llmc_quant_bytes(int64_t k, int64_t n, int format, int64_t block, int zero_points) {
@@ -169,8 +199,8 @@ static int stored_weight(const uint8_t *wq, int format, int64_t g, int c, int kk
     int half = c / 16, high = (c % 16) / 8;
     uint8_t byte = group[half * 32 + (c % 8) * 4 + kk];
     int low = high ? byte >> 4 : byte & 15;
-    if (format == LLMC_FORMAT_INT4)
-        return low;
+    if (format != LLMC_FORMAT_INT6)
+        return format == LLMC_FORMAT_MXFP4 ? MX_CODES[low] : low;
     return low | ((group[64 + (c % 8) * 4 + kk] >> (2 * (c / 8))) & 3) << 4;
 }
 
@@ -181,7 +211,7 @@ static void quant_panel_plain(const llmc_qact *a, const uint8_t *panel, float *o
         float acc[LLMC_PANEL] = {0};
         const int8_t *xq = a->q + (row0 + r) * k;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = panel + b * bb, *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
+            const uint8_t *blk = panel + b * bb, *wq = blk + header_bytes(format, zp);
             float sx = a->scale[(row0 + r) * nb + b];
             /* as the AVX2 tile: int4 per 32 k, the others per block */
             int64_t span = format == LLMC_FORMAT_INT4 ? SUB : B;
@@ -194,9 +224,15 @@ static void quant_panel_plain(const llmc_qact *a, const uint8_t *panel, float *o
                     for (int64_t i = s0; i < s0 + span; i++)
                         dot += xq[b * B + i] * stored_weight(wq, format, i / 4, c, (int)(i % 4));
                     float offset = zp ? (float)((const int8_t *)(blk + QUANT_HEADER))[c] : stored_offset(format);
-                    uint16_t h;
-                    memcpy(&h, blk + 2 * c, sizeof h);
-                    acc[c] += ((float)dot - offset * xs) * (half_to_float(h) * sx);
+                    float scale;
+                    if (format == LLMC_FORMAT_MXFP4)
+                        scale = mx_scale(blk[c]);
+                    else {
+                        uint16_t h;
+                        memcpy(&h, blk + 2 * c, sizeof h);
+                        scale = half_to_float(h);
+                    }
+                    acc[c] += ((float)dot - offset * xs) * (scale * sx);
                 }
             }
         }
@@ -226,12 +262,20 @@ static void half_panel_plain(const float *x, const uint16_t *panel, float *out, 
 #define HAVE_AVX2_PATH 1
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
+/* mx_scale of the 8 E8M0 bytes at e. */
+static inline __attribute__((always_inline)) AVX2 __m256 mx_scales(const uint8_t *e) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e));
+    const __m256i zero = _mm256_and_si256(_mm256_cmpeq_epi32(v, _mm256_setzero_si256()), _mm256_set1_epi32(1 << 22));
+    const __m256 power = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(v, 23), zero));
+    return _mm256_mul_ps(power, _mm256_set1_ps(0.5f));
+}
+
 /* Rows [0, R) of the quantized activations from row0, times one quantized panel, into out. */
 static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qact *a, int64_t row0,
                                                                   const uint8_t *panel, float *out,
                                                                   int64_t out_stride, const int format, const int zp,
                                                                   const int once, const int R) {
-    const int bits = llmc_format_bits(format);
+    const int bits = llmc_format_bits(format), mx = format == LLMC_FORMAT_MXFP4;
     const int narrow = format == LLMC_FORMAT_INT4; /* 16-bit sums over a 32-k sub-block */
     const int64_t k = a->k, B = a->block, nb = k / B, gb = group_bytes(format);
     const int64_t bb = llmc_quant_block_bytes(format, B, zp), span = narrow ? SUB : B;
@@ -243,9 +287,10 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
         for (int j = 0; j < 4; j++)
             acc[r][j] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    const __m256i codes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX_CODES));
     const uint8_t *blk = panel;
     for (int64_t b = 0; b < nb; b++, blk += bb) {
-        const uint8_t *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
+        const uint8_t *wq = blk + header_bytes(format, zp);
         PREFETCH_FOR(once, blk + QUANT_AHEAD);
         PREFETCH_FOR(once, blk + QUANT_AHEAD + 64);
         for (int64_t s0 = 0; s0 < B; s0 += span) {
@@ -271,6 +316,9 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
                         w[2] = _mm256_or_si256(w[2], _mm256_and_si256(h, top));
                         w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
                     }
+                    if (mx)
+                        for (int j = 0; j < 4; j++)
+                            w[j] = _mm256_shuffle_epi8(codes, w[j]);
                     for (int r = 0; r < R; r++) {
                         int32_t four;
                         memcpy(&four, xq[r] + b * B + g * 4, sizeof four);
@@ -302,7 +350,8 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
             /* The sub-block's scales and offsets, then each row's share. */
             __m256 scale[4], offset[4];
             for (int j = 0; j < 4; j++) {
-                scale[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * j)));
+                scale[j] = mx ? mx_scales(blk + 8 * j)
+                              : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * j)));
                 if (zp)
                     offset[j] = _mm256_cvtepi32_ps(
                         _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + QUANT_HEADER + 8 * j))));
@@ -399,14 +448,15 @@ static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t 
             }                                                                                             \
         }                                                                                                 \
     }
-/* Every format's panels for one tile: int4/int6/int8, symmetric and asymmetric. */
+/* Every format's panels for one tile: int4/int6/int8, symmetric and asymmetric, and mxfp4. */
 #define QUANT_FORMATS(SUFFIX, TILE, TARGET, MAXR)                                                         \
     QUANT_PANELS(int4_sym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT4, 0, MAXR)                               \
     QUANT_PANELS(int4_asym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT4, 1, MAXR)                              \
     QUANT_PANELS(int6_sym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT6, 0, MAXR)                               \
     QUANT_PANELS(int6_asym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT6, 1, MAXR)                              \
     QUANT_PANELS(int8_sym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT8, 0, MAXR)                               \
-    QUANT_PANELS(int8_asym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT8, 1, MAXR)
+    QUANT_PANELS(int8_asym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT8, 1, MAXR)                              \
+    QUANT_PANELS(mxfp4##SUFFIX, TILE, TARGET, LLMC_FORMAT_MXFP4, 0, MAXR)
 QUANT_FORMATS(, quant_tile, AVX2, ONE_PASS_ROWS)
 
 /* -- AVX-512 VNNI ------------------------------------------------------------------------------ */
@@ -418,6 +468,8 @@ QUANT_FORMATS(, quant_tile, AVX2, ONE_PASS_ROWS)
  *   the scales and offsets are loaded in it.
  * - int8: each weight byte XOR 0x80 is w + 128 as an unsigned byte, so the offset is the zero
  *   point plus 128 (at most 255 * 127 * 128 < 2^24 a block: exact in float, as above).
+ * - mxfp4: int4's group, both nibbles shifted down to look their codes up (vpshufb indexes with
+ *   the low 4 bits but zeroes a byte whose bit 7 is set), no 16x trick.
  * int32 sums cannot overflow within a block, so every format takes a whole block before its
  * offset and scale are applied. */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -438,6 +490,15 @@ static inline __attribute__((always_inline)) VNNI __m512 halves_at(const uint8_t
     __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
                                         _mm_loadu_si128((const __m128i *)b), 1);
     return _mm512_cvtph_ps(h);
+}
+
+/* mx_scale of 16 E8M0 bytes from two 8-byte runs at a and b. */
+static inline __attribute__((always_inline)) VNNI __m512 mx_scales_at(const uint8_t *a, const uint8_t *b) {
+    __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+    __m512i e = _mm512_cvtepu8_epi32(v);
+    __m512i power = _mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                                          _mm512_set1_epi32(1 << 22));
+    return _mm512_mul_ps(_mm512_castsi512_ps(power), _mm512_set1_ps(0.5f));
 }
 
 /* 16 int8 values from two 8-value runs at a and b, as floats. */
@@ -467,6 +528,12 @@ static inline __attribute__((always_inline)) VNNI void vnni_group(const uint8_t 
         w[1] = _mm512_and_si512(v, _mm512_set1_epi8((char)0xF0));
         return;
     }
+    if (format == LLMC_FORMAT_MXFP4) {
+        const __m512i codes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_CODES));
+        w[0] = _mm512_shuffle_epi8(codes, w[0]);
+        w[1] = _mm512_shuffle_epi8(codes, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+        return;
+    }
     w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
     /* int6: the high 2 bits of column run j sit at bits 2j of the third vector: runs 0 and 2 go
      * with w[0]'s halves, 1 and 3 with w[1]'s, each shifted to bits 4-5. */
@@ -494,7 +561,7 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
     const int lo0 = 0, lo1 = bits == 8 ? 8 : 16, hi0 = bits == 8 ? 16 : 8, hi1 = 24;
     const uint8_t *blk = panel;
     for (int64_t b = 0; b < nb; b++, blk += bb) {
-        const uint8_t *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
+        const uint8_t *wq = blk + header_bytes(format, zp);
         __m512i dot[R][2];
         for (int r = 0; r < R; r++)
             dot[r][0] = dot[r][1] = _mm512_setzero_si512();
@@ -539,7 +606,14 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
             }
         }
         /* The block's scales and offsets in accumulator order, then each row's share. */
-        __m512 scale[2] = {halves_at(blk + 2 * lo0, blk + 2 * lo1), halves_at(blk + 2 * hi0, blk + 2 * hi1)};
+        __m512 scale[2];
+        if (format == LLMC_FORMAT_MXFP4) {
+            scale[0] = mx_scales_at(blk + lo0, blk + lo1);
+            scale[1] = mx_scales_at(blk + hi0, blk + hi1);
+        } else {
+            scale[0] = halves_at(blk + 2 * lo0, blk + 2 * lo1);
+            scale[1] = halves_at(blk + 2 * hi0, blk + 2 * hi1);
+        }
         __m512 offset[2];
         const float base = bits == 8 ? 128.0f : 0.0f;
         if (zp) {
@@ -583,14 +657,16 @@ QUANT_FORMATS(_vnni, vnni_tile, VNNI, VNNI_ROWS)
 #endif
 QUANT_FORMATS(_vnni_few, vnni_tile, VNNI_FEW, VNNI_FEW_ROWS)
 
-/* Each format's panels by [tile][format_index][symmetric, asymmetric]. */
+/* Each format's panels by [tile][format_index][symmetric, asymmetric] (mxfp4 has no zero points:
+ * the ops refuse them, and both entries are its one tile). */
 enum { TILE_AVX2, TILE_VNNI, TILE_VNNI_FEW /* at most FEW_ROWS rows */ };
 typedef void (*quant_panels_fn)(const llmc_qact *, const uint8_t *, float *, int64_t, int64_t, int64_t);
 static const quant_panels_fn QUANT_PANELS_BY[3][QUANT_FORMAT_COUNT][2] = {
-    {{int4_sym, int4_asym}, {int6_sym, int6_asym}, {int8_sym, int8_asym}},
-    {{int4_sym_vnni, int4_asym_vnni}, {int6_sym_vnni, int6_asym_vnni}, {int8_sym_vnni, int8_asym_vnni}},
+    {{int4_sym, int4_asym}, {int6_sym, int6_asym}, {int8_sym, int8_asym}, {mxfp4, mxfp4}},
+    {{int4_sym_vnni, int4_asym_vnni}, {int6_sym_vnni, int6_asym_vnni}, {int8_sym_vnni, int8_asym_vnni},
+     {mxfp4_vnni, mxfp4_vnni}},
     {{int4_sym_vnni_few, int4_asym_vnni_few}, {int6_sym_vnni_few, int6_asym_vnni_few},
-     {int8_sym_vnni_few, int8_asym_vnni_few}},
+     {int8_sym_vnni_few, int8_asym_vnni_few}, {mxfp4_vnni_few, mxfp4_vnni_few}},
 };
 
 /* Rows [0, R) of x times one 16-bit panel: the fp32 tile with a conversion after each load. */
@@ -709,9 +785,9 @@ void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_
  * (format_index): 1 VNNI, 0 AVX2, as measured on this host (llmc_probe_quant, plugins/cpu/host.py)
  * and set before a session runs; -1 until then: VNNI but for int8, the rule of the first VNNI host
  * measured (docs/quantization.md), which the Intel host contradicts. */
-static int decode_vnni[QUANT_FORMAT_COUNT] = {-1, -1, -1};
+static int decode_vnni[QUANT_FORMAT_COUNT] = {-1, -1, -1, -1};
 
-/* format: LLMC_FORMAT_INT8, INT6 or INT4. */
+/* format: LLMC_FORMAT_INT8, INT6, INT4 or MXFP4. */
 LLMC_EXPORT int llmc_set_decode_tile(int format, int vnni) {
     if (format_index(format) < 0 || vnni < -1 || vnni > 1)
         return -1;
@@ -771,9 +847,12 @@ LLMC_EXPORT int llmc_probe_quant(int format, int64_t m, int64_t k, int64_t n, in
             w[i] = state;
         }
         uint8_t *blob = (uint8_t *)w;
-        for (int64_t b = 0; b < bytes / block_bytes; b++)  /* each block's 32 float16 scales: 1/256 */
+        for (int64_t b = 0; b < bytes / block_bytes; b++)  /* each block's 32 scales: 1/256 */
             for (int c = 0; c < LLMC_PANEL; c++)
-                memcpy(blob + b * block_bytes + 2 * c, &(uint16_t){0x1c00}, 2);
+                if (format == LLMC_FORMAT_MXFP4)
+                    blob[b * block_bytes + c] = 127 - 8;
+                else
+                    memcpy(blob + b * block_bytes + 2 * c, &(uint16_t){0x1c00}, 2);
         for (int64_t i = 0; i < m * k; i++)
             x[i] = (float)((i * 7919) % 255) / 127.0f - 1.0f;
         llmc_qact a;
