@@ -1,7 +1,8 @@
-"""llmc's packed GEMM per weight format (fp32, bf16, int8, int4) on smollm2-135m's shapes.
+"""llmc's packed GEMM per weight format (fp32, bf16, int8, int4, mxfp4) on smollm2-135m's shapes
+(and gpt-oss-20b's expert shapes, oss_gate_up and oss_down, on request).
 
     python benchmarks/quant_gemm.py [--rows 1 8 128] [--shapes qkv o gate_up down lm_head]
-                                    [--formats fp32 bf16 int8 int4 ort-int4 | FORMAT@TILE ...]
+                                    [--formats fp32 bf16 int8 int4 mxfp4 ort-int4 | FORMAT@TILE ...]
                                     [--threads 2] [--rounds 15] [--cache-mb 64] [--no-ort]
 
 Each (shape, rows, format) is one ORT session (2 intra-op threads) of independent PackedMatMul
@@ -28,6 +29,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
           "lm_head": (576, 49152)}
+DEFAULT_SHAPES = list(SHAPES)
+SHAPES |= {"oss_gate_up": (2880, 5760), "oss_down": (2880, 2880)}  # one gpt-oss-20b expert's
 FORMATS = ("fp32", "bf16", "int8", "int4")
 BLOCK = 32
 
@@ -39,6 +42,11 @@ def _weight(fmt: str, k: int, n: int, rng) -> tuple[np.ndarray, dict, int]:
     w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
     if fmt == "fp32":
         packed, attrs = pack_weight(w), {}
+    elif fmt == "mxfp4":  # a checkpoint's codes and scale bytes: random (the time does not depend on them)
+        blocks = rng.integers(0, 256, (n, k // BLOCK, 16), dtype=np.uint8)
+        scales = rng.integers(118, 126, (n, k // BLOCK), dtype=np.uint8)
+        packed = quant.pack_mxfp4(blocks, scales)
+        attrs = {"weight_format": quant.WEIGHT_FORMATS[fmt], "block_size": BLOCK, "zero_points": 0}
     elif fmt in ("bf16", "fp16"):
         packed, attrs = quant.pack_16bit(w, fmt), {"weight_format": quant.WEIGHT_FORMATS[fmt]}
     else:
@@ -126,7 +134,7 @@ def read_rate(threads: int, mb: int = 256, rounds: int = 7) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 128])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
     parser.add_argument("--formats", nargs="+", default=[*FORMATS, "ort-int4"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=15)

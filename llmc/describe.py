@@ -90,12 +90,12 @@ def describe(manifest: Manifest, engine_dir: str | Path, host_kernels: dict | No
                  f"{', '.join(f'{k}={v}' for k, v in p.counts.items()) or '-'}" for p in m.passes]
         section(f"Passes ({len(m.passes)})", body)
     if host_kernels:
-        from llmc.plugins.cpu.host import PROBE_SHAPES, QUANT_BITS, host
+        from llmc.plugins.cpu.host import PROBE_SHAPES, QUANT_FORMATS, host
 
         def line(fmt: str, c: dict) -> str:
-            k, n = PROBE_SHAPES["quant" if fmt in QUANT_BITS else "16bit"]
+            k, n = PROBE_SHAPES["quant" if fmt in QUANT_FORMATS else "16bit"]
             times = ", ".join(f"{tile} {s * 1e3:.2f} ms" for tile, s in c["seconds"].items())
-            rows = "decode rows" if fmt in QUANT_BITS else "every product"
+            rows = "decode rows" if fmt in QUANT_FORMATS else "every product"
             return f"  {fmt} {rows:<13}  {c['tile']:<6}  ({times} for a [{k}, {n}] weight on one thread)"
 
         section(f"This host's kernels ({host()['cpu']}: {' '.join(host()['isa'])}), measured once per host",

@@ -22,7 +22,7 @@ from llmc.plugins.cpu import pack_weight, quant
 pytestmark = needs_kernels
 F32 = TensorProto.FLOAT
 WEIGHT_TYPES = {"fp32": F32, "bf16": TensorProto.UINT16, "fp16": TensorProto.UINT16, "int8": TensorProto.UINT8,
-                "int6": TensorProto.UINT8, "int4": TensorProto.UINT8}
+                "int6": TensorProto.UINT8, "int4": TensorProto.UINT8, "mxfp4": TensorProto.UINT8}
 _SESSIONS: dict = {}
 
 
@@ -102,17 +102,16 @@ def test_either_decode_tile_matches_the_reference(bits, vnni):
     from llmc.plugins import cpu
     from llmc.plugins.cpu import host
 
-    lib = _library()
+    lib, fmt = _library(), f"int{bits}"
     seconds = (ctypes.c_double * 2)()
-    if host._probe(lib, "llmc_probe_quant")(bits, 1, 64, 32, 1, seconds) or seconds[vnni] < 0:
+    if host._probe(lib, "llmc_probe_quant")(quant.WEIGHT_FORMATS[fmt], 1, 64, 32, 1, seconds) or seconds[vnni] < 0:
         pytest.skip("this CPU has no AVX-512 VNNI" if vnni else "this CPU has no AVX2")
     rng = np.random.default_rng(bits + 10 * vnni)
     k, n, block = 128, 70, 32
     q, scale, zp = _quantized(rng, k, n, bits, block, False)
-    fmt = f"int{bits}"
     sess = _session("PackedMatMul", ["x", "w"], ["y"], fmt, n=n, **_attrs(fmt, block, zp))
     try:
-        assert lib.llmc_set_decode_tile(bits, vnni) == 0
+        assert lib.llmc_set_decode_tile(quant.WEIGHT_FORMATS[fmt], vnni) == 0
         for rows in (1, 2):
             x = rng.standard_normal((1, rows, k), dtype=np.float32)
             y, = sess.run(None, {"x": x, "w": quant.pack_quantized(q, scale, zp, bits, block)})
@@ -130,7 +129,7 @@ def test_the_decode_tiles_are_measured_once_per_host(tmp_path, monkeypatch):
 
     monkeypatch.setenv("LLMC_CACHE", str(tmp_path))
     tiles = host.measure(_library())
-    assert set(tiles) == {"int4", "int6", "int8", "bf16", "fp16"}
+    assert set(tiles) == {"int4", "int6", "int8", "mxfp4", "bf16", "fp16"}
     for choice in tiles.values():
         assert choice["seconds"]["avx2"] > 0 and choice["tile"] == min(choice["seconds"], key=choice["seconds"].get)
     host.use_measured_kernels.cache_clear()

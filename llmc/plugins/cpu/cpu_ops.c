@@ -399,18 +399,18 @@ static void experts_combine_one(void *arg, size_t task) {
  * quantized: [E, bytes] uint8 each, inter read from down's bytes per expert. */
 static const char *experts_shapes(const experts_kernel *k, const tensor *gate_up, const tensor *down,
                                   llmc_experts *a) {
-    int bits = llmc_format_bits(k->format);
+    const int format = (int)k->format;
     if (gate_up->dims[0] != a->experts || down->dims[0] != a->experts)
         return "gate_up and down must hold the same number of experts";
-    if (bits) {
-        int64_t block_bytes = llmc_quant_block_bytes(bits, k->block_size, (int)k->zero_points);
+    if (llmc_format_bits(format)) {
+        int64_t block_bytes = llmc_quant_block_bytes(format, k->block_size, (int)k->zero_points);
         int64_t per_block_row = llmc_experts_groups(a->hidden) * block_bytes;
         if (gate_up->rank != 2 || down->rank != 2 || gate_up->type != ORT_UINT8 || down->type != ORT_UINT8 ||
             down->dims[1] % per_block_row != 0 || a->hidden % k->block_size != 0)
             return "quantized expert weights must be [experts, bytes] uint8 blobs, hidden a multiple of block_size";
         a->inter = down->dims[1] / per_block_row * k->block_size;
-        if (down->dims[1] != llmc_quant_bytes(a->inter, a->hidden, bits, k->block_size, (int)k->zero_points) ||
-            gate_up->dims[1] != llmc_quant_bytes(a->hidden, 2 * a->inter, bits, k->block_size, (int)k->zero_points))
+        if (down->dims[1] != llmc_quant_bytes(a->inter, a->hidden, format, k->block_size, (int)k->zero_points) ||
+            gate_up->dims[1] != llmc_quant_bytes(a->hidden, 2 * a->inter, format, k->block_size, (int)k->zero_points))
             return "the quantized gate_up and down blobs disagree on the experts' sizes";
         return NULL;
     }
@@ -524,26 +524,31 @@ typedef struct {
 
 static int64_t panels_of(int64_t n) { return (n + LLMC_PANEL - 1) / LLMC_PANEL; }
 
+/* A quantized format's name, for messages. */
+static const char *quant_name(int format) {
+    return format == LLMC_FORMAT_MXFP4 ? "mxfp4" : format == LLMC_FORMAT_INT8 ? "int8"
+                                                  : format == LLMC_FORMAT_INT6 ? "int6" : "int4";
+}
+
 /* x [.., K] against a weight packed for n output columns in the kernel's format: [ceil(n / 32), K,
  * 32] float32 or uint16 panels, or a quantized uint8 blob of llmc_quant_bytes. Sets *k. */
 static OrtStatus *check_packed(const char *op, const linear_kernel *kernel, const tensor *x, const tensor *w,
                                int64_t *k) {
     if (x->type != ORT_FLOAT || x->rank < 1)
         return error(op, "input must be float32");
-    int64_t format = kernel->format;
-    int bits = llmc_format_bits(format);
-    if (bits) {
+    int format = (int)kernel->format;
+    if (llmc_format_bits(format)) {
         *k = x->dims[x->rank - 1];
         if (*k % kernel->block_size != 0)
             return error(op, "input's last dim (K) is not a multiple of the weight's block_size");
-        int64_t bytes = llmc_quant_bytes(*k, kernel->n, bits, kernel->block_size, (int)kernel->zero_points);
+        int64_t bytes = llmc_quant_bytes(*k, kernel->n, format, kernel->block_size, (int)kernel->zero_points);
         if (w->type != ORT_UINT8 || w->rank != 1 || w->dims[0] != bytes) {
             char message[200];
             snprintf(message, sizeof message,
-                     "int%d weight must be a 1-D uint8 blob of %lld bytes for K = %lld (the input's last dim), "
+                     "%s weight must be a 1-D uint8 blob of %lld bytes for K = %lld (the input's last dim), "
                      "n = %lld, block_size %lld, zero_points %lld (packed by llmc build)",
-                     bits, (long long)bytes, (long long)*k, (long long)kernel->n, (long long)kernel->block_size,
-                     (long long)kernel->zero_points);
+                     quant_name(format), (long long)bytes, (long long)*k, (long long)kernel->n,
+                     (long long)kernel->block_size, (long long)kernel->zero_points);
             return error(op, message);
         }
         return NULL;
@@ -592,8 +597,7 @@ static void reduce_argmax(const linear_job *job, int64_t *out) {
 
 static void linear_panel(const linear_job *job, int64_t panel) {
     if (llmc_format_bits(job->format))
-        llmc_linear_quant(&job->act, job->packed, job->y, job->n, llmc_format_bits(job->format),
-                          job->zero_points, panel, panel + 1);
+        llmc_linear_quant(&job->act, job->packed, job->y, job->n, job->format, job->zero_points, panel, panel + 1);
     else if (job->format != LLMC_FORMAT_FP32)
         llmc_linear_16bit(job->x, job->packed, job->y, job->m, job->k, job->n, job->format == LLMC_FORMAT_BF16,
                           panel, panel + 1);
@@ -1224,6 +1228,12 @@ static OrtStatus *attention_create(const OrtCustomOp *op, const OrtApi *ort, con
     return new_kernel("PagedAttention", sizeof(attention_kernel), read_attention, info, kernel_out);
 }
 
+/* NULL, or why an mxfp4 weight's attributes are wrong: its blocks are always 32 k, symmetric. */
+static const char *mxfp4_problem(int64_t format, int64_t block_size, int64_t zero_points) {
+    return format == LLMC_FORMAT_MXFP4 && (block_size != 32 || zero_points != 0)
+               ? "weight_format 6 (mxfp4) needs block_size 32 and zero_points 0" : NULL;
+}
+
 /* NULL, or what is wrong with a gated MLP's `activation` attribute (SwiGLU, SwiGLUMatMul). */
 static const char *activation_problem(int64_t activation) {
     return activation != LLMC_ACT_SILU && activation != LLMC_ACT_GELU_TANH
@@ -1255,9 +1265,12 @@ static const char *read_experts(const OrtKernelInfo *info, void *kernel) {
     if (k->packed != 0 && k->packed != 1)
         return "attribute packed must be 0 (weights as the checkpoint holds them) or 1 (panels)";
     if (k->format != LLMC_FORMAT_FP32 && (!llmc_format_bits(k->format) || !k->packed))
-        return "attribute weight_format must be 0 (fp32) or a quantized format (3, 4, 5) with packed 1";
+        return "attribute weight_format must be 0 (fp32) or a quantized format (3, 4, 5, 6) with packed 1";
     if (llmc_format_bits(k->format) && k->block_size != 32 && k->block_size != 64 && k->block_size != 128)
         return "attribute block_size must be 32, 64 or 128";
+    const char *mxfp4 = mxfp4_problem(k->format, k->block_size, k->zero_points);
+    if (mxfp4 != NULL)
+        return mxfp4;
     if (k->activation == LLMC_ACT_CLAMPED_SWIGLU)
         return k->limit > 0.0f ? NULL : "attribute limit (the clamped SwiGLU's) must be above 0";
     return activation_problem(k->activation);
@@ -1287,12 +1300,13 @@ static const char *read_linear(const OrtKernelInfo *info, const char *prefix, li
         return activation_problem(k->activation);
     if (k->n <= 0)
         return "attribute n (output columns) must be positive";
-    if (k->format < LLMC_FORMAT_FP32 || k->format > LLMC_FORMAT_INT6)
-        return "attribute weight_format must be 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8), 4 (int4) or 5 (int6)";
+    if (k->format < LLMC_FORMAT_FP32 || k->format > LLMC_FORMAT_MXFP4)
+        return "attribute weight_format must be 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8), 4 (int4), 5 (int6) or "
+               "6 (mxfp4)";
     if (llmc_format_bits(k->format) && ((k->block_size != 32 && k->block_size != 64 && k->block_size != 128) ||
                                         (k->zero_points != 0 && k->zero_points != 1)))
         return "quantized weights need block_size 32, 64 or 128 and zero_points 0 or 1";
-    return NULL;
+    return mxfp4_problem(k->format, k->block_size, k->zero_points);
 }
 
 static const char *read_gemm(const OrtKernelInfo *info, void *kernel) { return read_linear(info, "", kernel); }

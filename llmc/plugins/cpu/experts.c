@@ -61,16 +61,15 @@ static void rows_times_rows(const float *x, const float *w, float *y, int64_t m,
 static void product(const llmc_experts *a, const llmc_qact *act, int64_t e, const float *x, const void *w, float *y,
                     int64_t k, int64_t n, int64_t g0, int64_t g1) {
     int64_t r0 = a->start[e], m = a->start[e + 1] - r0, panels = llmc_experts_groups(n);
-    int bits = llmc_format_bits(a->format);
     g1 = g1 < panels ? g1 : panels;
-    if (bits) {
+    if (llmc_format_bits(a->format)) {
         llmc_qact rows = *act;
         rows.q += r0 * k;
         rows.scale += r0 * (k / act->block);
         rows.sum += r0 * (k / 32);
         rows.m = m;
-        const uint8_t *blob = (const uint8_t *)w + e * llmc_quant_bytes(k, n, bits, a->block_size, a->zero_points);
-        llmc_linear_quant(&rows, blob, y + r0 * n, n, bits, a->zero_points, g0, g1);
+        const uint8_t *blob = (const uint8_t *)w + e * llmc_quant_bytes(k, n, a->format, a->block_size, a->zero_points);
+        llmc_linear_quant(&rows, blob, y + r0 * n, n, a->format, a->zero_points, g0, g1);
     } else if (a->packed) {
         llmc_linear_panels(x + r0 * k, (const float *)w + e * panels * k * LLMC_PANEL, y + r0 * n, m, k, n, g0, g1);
     } else {

@@ -25,10 +25,11 @@ from pathlib import Path
 log = logging.getLogger("llmc")
 
 # Per weight format, the tiles a choice is between (the first is the one every host can run), the
-# probe that times them and the setter that takes a choice (-1: the library's default).
-QUANT_BITS = {"int4": 4, "int6": 6, "int8": 8}
+# probe that times them and the setter that takes a choice (-1: the library's default). The quantized
+# formats by their weight_format (LLMC_FORMAT_* in kernels.h).
+QUANT_FORMATS = {"int4": 4, "int6": 5, "int8": 3, "mxfp4": 6}
 SIXTEEN_BIT = {"fp16": 0, "bf16": 1}
-TILES = {**{fmt: ("avx2", "vnni") for fmt in QUANT_BITS}, **{fmt: ("avx2", "avx512") for fmt in SIXTEEN_BIT}}
+TILES = {**{fmt: ("avx2", "vnni") for fmt in QUANT_FORMATS}, **{fmt: ("avx2", "avx512") for fmt in SIXTEEN_BIT}}
 # The probes' weights, more than the 32 MB L3 of the hosts met: [4096, 16384] quantized (36-68 MB),
 # [4096, 8192] 16-bit (64 MB); the fastest of PROBE_REPS calls of each tile, the tiles taking turns.
 PROBE_SHAPES = {"quant": (4096, 16384), "16bit": (4096, 8192)}
@@ -70,8 +71,9 @@ def measure(lib: ctypes.CDLL) -> dict:
     tiles = {}
     for fmt in TILES:
         seconds = (ctypes.c_double * 2)()
-        if fmt in QUANT_BITS:
-            status = _probe(lib, "llmc_probe_quant")(QUANT_BITS[fmt], 1, *PROBE_SHAPES["quant"], PROBE_REPS, seconds)
+        if fmt in QUANT_FORMATS:
+            status = _probe(lib, "llmc_probe_quant")(QUANT_FORMATS[fmt], 1, *PROBE_SHAPES["quant"], PROBE_REPS,
+                                                     seconds)
         else:
             status = _probe(lib, "llmc_probe_16bit")(SIXTEEN_BIT[fmt], 1, *PROBE_SHAPES["16bit"], PROBE_REPS, seconds)
         measured = {tile: s for tile, s in zip(TILES[fmt], seconds) if s > 0}
@@ -81,7 +83,7 @@ def measure(lib: ctypes.CDLL) -> dict:
 
 
 def _probe(lib: ctypes.CDLL, name: str):
-    """llmc_probe_quant(bits, m, k, n, reps, double seconds[2]) or llmc_probe_16bit(bf16, ...) -> 0 | -1."""
+    """llmc_probe_quant(format, m, k, n, reps, double seconds[2]) or llmc_probe_16bit(bf16, ...) -> 0 | -1."""
     fn = getattr(lib, name)
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                    ctypes.POINTER(ctypes.c_double)]
@@ -94,8 +96,8 @@ def apply(lib: ctypes.CDLL, tiles: dict) -> None:
     for fmt, names in TILES.items():
         chosen = tiles.get(fmt, {}).get("tile")
         choice = -1 if chosen not in names else names.index(chosen)
-        if fmt in QUANT_BITS:
-            lib.llmc_set_decode_tile(QUANT_BITS[fmt], choice)
+        if fmt in QUANT_FORMATS:
+            lib.llmc_set_decode_tile(QUANT_FORMATS[fmt], choice)
         else:
             lib.llmc_set_16bit_tile(SIXTEEN_BIT[fmt], choice)
 

@@ -138,22 +138,39 @@ void llmc_skip_rmsnorm_rows(const float *x, const float *skip, const float *gamm
  * int4 symmetric at B = 32 is 576 bytes per 1024 weights: 4.5 bits a weight; int6 6.5. Padding columns of
  * the last panel have scale 0. The activations are quantized per row and block: sx = max|x| / 127,
  * xq = round-half-even(x * (1 / sx)) in int8 (a zero block: 0), then
- * y[r, c] = sum over blocks of scale[c] * sx[r] * sum_k xq * (q - zp), integer inner sums. */
+ * y[r, c] = sum over blocks of scale[c] * sx[r] * sum_k xq * (q - zp), integer inner sums.
+ * mxfp4 (OCP Microscaling, gpt-oss's expert weights) holds a checkpoint's bytes rearranged, never
+ * requantized: B = 32 always, no zero points, each block of a panel
+ *   scale: 32 E8M0 bytes e (2^(e - 127)) | 8 groups of 4 k steps: int4's 64 nibble bytes, each
+ *   nibble an E2M1 code (bit 3 the sign, code & 7 indexes 0, 0.5, 1, 1.5, 2, 3, 4, 6),
+ * 544 bytes per 1024 weights: 4.25 bits a weight. Padding columns: code 0, scale byte 127. The
+ * codes read as the integers 2 * value (0, 1, 2, 3, 4, 6, 8, 12 and negatives), so
+ * y[r, c] = sum over blocks of sx[r] * 2^(e[c] - 128) * sum_k xq * 2 value, the block's factor
+ * being float32(2^(e - 127)) / 2: 2^-128 at e = 0 (a subnormal float, as transformers' weights
+ * there), +inf at e = 255 (2^128 overflows float32, as in transformers' ldexp, whose weights are
+ * then +-inf: the column's outputs are inf or NaN). */
 enum {
     LLMC_FORMAT_FP32 = 0,
     LLMC_FORMAT_BF16 = 1,
     LLMC_FORMAT_FP16 = 2,
     LLMC_FORMAT_INT8 = 3,
     LLMC_FORMAT_INT4 = 4,
-    LLMC_FORMAT_INT6 = 5
+    LLMC_FORMAT_INT6 = 5,
+    LLMC_FORMAT_MXFP4 = 6
 };
-/* The bits of a quantized format, or 0 for the others. */
+/* The bits of a quantized format (mxfp4: 4), or 0 for the others: whether a weight is a blob of
+ * llmc_quant_bytes that llmc_linear_quant reads. */
 static inline int llmc_format_bits(int64_t format) {
-    return format == LLMC_FORMAT_INT8 ? 8 : format == LLMC_FORMAT_INT6 ? 6 : format == LLMC_FORMAT_INT4 ? 4 : 0;
+    return format == LLMC_FORMAT_INT8    ? 8
+           : format == LLMC_FORMAT_INT6  ? 6
+           : format == LLMC_FORMAT_INT4  ? 4
+           : format == LLMC_FORMAT_MXFP4 ? 4
+                                         : 0;
 }
 
-int64_t llmc_quant_block_bytes(int bits, int64_t block, int zero_points);
-int64_t llmc_quant_bytes(int64_t k, int64_t n, int bits, int64_t block, int zero_points);
+/* A quantized format's bytes per block of a panel, and a [k, n] weight's blob (format LLMC_FORMAT_*). */
+int64_t llmc_quant_block_bytes(int format, int64_t block, int zero_points);
+int64_t llmc_quant_bytes(int64_t k, int64_t n, int format, int64_t block, int zero_points);
 
 /* Rows quantized once per op call, before the parallel loop over panels (a scratch of
  * llmc_qact_bytes). */
@@ -167,9 +184,10 @@ int64_t llmc_qact_bytes(int64_t m, int64_t k, int64_t block);
 void llmc_qact_init(llmc_qact *a, void *scratch, int64_t m, int64_t k, int64_t block);
 void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_t row1);
 
-/* y[m, n] = the quantized rows times a quantized blob, panels [p0, p1). AVX2 where the CPU has
- * it (llmc_quant_fast_path), plain C elsewhere: the same integer sums either way. */
-void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int bits, int zero_points,
+/* y[m, n] = the quantized rows times a quantized blob of `format` (LLMC_FORMAT_INT8, INT6, INT4 or
+ * MXFP4), panels [p0, p1). AVX2 where the CPU has it (llmc_quant_fast_path), AVX-512 VNNI where it
+ * has that, plain C elsewhere: the same integer sums either way. */
+void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int format, int zero_points,
                        int64_t p0, int64_t p1);
 /* y[m, n] = x @ W for 16-bit panels, panels [p0, p1). */
 void llmc_linear_16bit(const float *x, const uint16_t *w, float *y, int64_t m, int64_t k, int64_t n, int bf16,
@@ -183,8 +201,8 @@ int llmc_quant_fast_path(void);
  * weights, per expert: gate_up [2 * inter, hidden] (gate rows, then up rows) and down
  * [hidden, inter], either as the checkpoint holds them (fp32, packed 0) or each expert as a packed
  * GEMM reads a [K, N] weight: fp32 panels (packed 1: gate_up [E, ceil(2 inter / 32), hidden, 32],
- * down [E, ceil(hidden / 32), inter, 32]) or a quantized blob (format LLMC_FORMAT_INT*, the
- * experts' blobs one after another). A call plans (pairs sorted by expert, rows gathered), then
+ * down [E, ceil(hidden / 32), inter, 32]) or a quantized blob (format LLMC_FORMAT_INT* or MXFP4,
+ * the experts' blobs one after another). A call plans (pairs sorted by expert, rows gathered), then
  * runs the up products, the activation, the down products, then combines; the ORT binding
  * (cpu_ops.c) runs each phase's tasks in parallel and, for a quantized format, quantizes each
  * phase's rows once (up_rows, down_rows) before its products. */

@@ -1,5 +1,5 @@
-/* See kernels.h: the quantized (int8/int4 blockwise) and 16-bit (bf16/fp16) weight formats of the
- * packed GEMM. Each has an AVX2 path (intrinsics, target avx2+fma+f16c, chosen at run time) and a
+/* See kernels.h: the quantized (int8/int6/int4 blockwise, mxfp4) and 16-bit (bf16/fp16) weight formats
+ * of the packed GEMM. Each has an AVX2 path (intrinsics, target avx2+fma+f16c, chosen at run time) and a
  * plain C one for other CPUs, which computes the same integer dot products.
  *
  * The quantized tile is rows [0, R) x one 32-column panel. Per group of 4 k steps, a 32-byte
@@ -14,7 +14,12 @@
  * - int6: int4's nibbles OR'd with the high 2 bits of a third vector (shifted into bits 4-5),
  *   unsigned 0..63 (the symmetric ones stored + 32): 63 * 127 * 2 = 16002 per pair, widened at
  *   once as int8's.
- * The zero point (the stored offsets of int4/int6 included) is applied at the end of a sub-block as
+ * - mxfp4: int4's nibbles, each E2M1 code looked up (vpshufb) in a 16-byte table of 2 * its value
+ *   + MX_BIAS: the weight operand must be unsigned, and the bias is taken off as int4's + 8 is.
+ *   0..24: 24 * 127 * 2 = 6096 per pair, so eight groups would overflow 16 bits: widened at once
+ *   as int6's. (Signs moved onto x, as int8's, keep 16-bit sums but measured slower.) The block's
+ *   factor 2^(e - 128) is made from the E8M0 bytes' bits (mx_scale).
+ * The zero point (the stored offsets of int4/int6/mxfp4 included) is applied at the end of a sub-block as
  * dot - zp * sum(xq), exact in float32 (every term an integer below 2^24), then the sub-block adds
  * scale[c] * sx[r] * that to the row's float accumulator.
  * Two rows per tile: 8 integer accumulators, 4 weight vectors and the constants fill the 16 ymm
@@ -29,6 +34,7 @@
 #include <time.h>
 
 #define QUANT_HEADER 64     /* a block's 32 scales, float16 */
+#define MX_HEADER 32        /* mxfp4's: 32 E8M0 bytes */
 #define QUANT_ZP 32         /* a block's 32 zero points, int8 (asymmetric only) */
 #define SUB 32              /* k steps per activation sum, and int4's 16-bit sub-block */
 #ifndef QUANT_AHEAD
@@ -48,16 +54,54 @@
 #define VNNI_FEW_ROWS 8
 #define FEW_ROWS 16
 
-static int64_t group_bytes(int bits) { return (bits == 8 ? 4 : bits == 6 ? 3 : 2) * LLMC_PANEL; }
-/* What a symmetric format stores each q plus, so the kernel's weight operand is unsigned. */
-static float stored_offset(int bits) { return bits == 8 ? 0.0f : bits == 6 ? 32.0f : 8.0f; }
-
-int64_t llmc_quant_block_bytes(int bits, int64_t block, int zero_points) {
-    return QUANT_HEADER + (zero_points ? QUANT_ZP : 0) + block / 4 * group_bytes(bits);
+/* The functions below take a quantized format (LLMC_FORMAT_INT8, INT6, INT4, MXFP4), in the tiles a
+ * compile-time constant: mxfp4 is int4's nibbles with another decode and header. */
+static int64_t group_bytes(int format) {
+    const int bits = llmc_format_bits(format);
+    return (bits == 8 ? 4 : bits == 6 ? 3 : 2) * LLMC_PANEL;
+}
+/* A quantized format's row in the tables of tiles and decode choices: int4, int6, int8, mxfp4; -1
+ * for the others. */
+#define QUANT_FORMAT_COUNT 4
+static int format_index(int format) {
+    return format == LLMC_FORMAT_INT4    ? 0
+           : format == LLMC_FORMAT_INT6  ? 1
+           : format == LLMC_FORMAT_INT8  ? 2
+           : format == LLMC_FORMAT_MXFP4 ? 3
+                                         : -1;
+}
+static int64_t header_bytes(int format, int zp) {
+    return (format == LLMC_FORMAT_MXFP4 ? MX_HEADER : QUANT_HEADER) + (zp ? QUANT_ZP : 0);
 }
 
-int64_t llmc_quant_bytes(int64_t k, int64_t n, int bits, int64_t block, int zero_points) {
-    return (n + LLMC_PANEL - 1) / LLMC_PANEL * (k / block) * llmc_quant_block_bytes(bits, block, zero_points);
+/* mxfp4's codes as the tiles read them: 2 * the E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6, then
+ * their negatives), an integer, + MX_BIAS. */
+#define MX_BIAS 12
+static const uint8_t MX_CODES[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* What a symmetric format stores each q plus (mxfp4: its table's), so the kernel's weight operand is
+ * unsigned. */
+static float stored_offset(int format) {
+    return format == LLMC_FORMAT_INT8 ? 0.0f : format == LLMC_FORMAT_INT6 ? 32.0f
+                                             : format == LLMC_FORMAT_MXFP4 ? (float)MX_BIAS : 8.0f;
+}
+
+/* An E8M0 byte's block factor float32(2^(e - 127)) / 2 (kernels.h): 2^(e - 127) is the float whose
+ * bits are e << 23 (255: +inf), but for e = 0, the subnormal 2^-127 (bits 1 << 22). Halved, as the
+ * codes read as twice their value. The tiles make it the same way, 8 or 16 at a time. */
+static float mx_scale(uint8_t e) {
+    uint32_t bits = e ? (uint32_t)e << 23 : 1u << 22;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return 0.5f * f;
+}
+
+int64_t llmc_quant_block_bytes(int format, int64_t block, int zero_points) {
+    return header_bytes(format, zero_points) + block / 4 * group_bytes(format);
+}
+
+int64_t llmc_quant_bytes(int64_t k, int64_t n, int format, int64_t block, int zero_points) {
+    return (n + LLMC_PANEL - 1) / LLMC_PANEL * (k / block) * llmc_quant_block_bytes(format, block, zero_points);
 }
 
 /* -- activations ---------------------------------------------------------------------------- */
@@ -148,28 +192,29 @@ static float bf16_to_float(uint16_t h) {
 }
 
 /* The stored weight of (column c, k step kk of group g) in a block's weights. */
-static int stored_weight(const uint8_t *wq, int bits, int64_t g, int c, int kk) {
-    if (bits == 8)
+static int stored_weight(const uint8_t *wq, int format, int64_t g, int c, int kk) {
+    if (format == LLMC_FORMAT_INT8)
         return ((const int8_t *)wq)[g * 128 + c * 4 + kk];
-    const uint8_t *group = wq + g * group_bytes(bits);
+    const uint8_t *group = wq + g * group_bytes(format);
     int half = c / 16, high = (c % 16) / 8;
     uint8_t byte = group[half * 32 + (c % 8) * 4 + kk];
     int low = high ? byte >> 4 : byte & 15;
-    if (bits == 4)
-        return low;
+    if (format != LLMC_FORMAT_INT6)
+        return format == LLMC_FORMAT_MXFP4 ? MX_CODES[low] : low;
     return low | ((group[64 + (c % 8) * 4 + kk] >> (2 * (c / 8))) & 3) << 4;
 }
 
 static void quant_panel_plain(const llmc_qact *a, const uint8_t *panel, float *out, int64_t out_stride,
-                              int64_t row0, int64_t rows, int bits, int zp) {
-    const int64_t k = a->k, B = a->block, nb = k / B, bb = llmc_quant_block_bytes(bits, B, zp);
+                              int64_t row0, int64_t rows, int format, int zp) {
+    const int64_t k = a->k, B = a->block, nb = k / B, bb = llmc_quant_block_bytes(format, B, zp);
     for (int64_t r = 0; r < rows; r++) {
         float acc[LLMC_PANEL] = {0};
         const int8_t *xq = a->q + (row0 + r) * k;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = panel + b * bb, *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
+            const uint8_t *blk = panel + b * bb, *wq = blk + header_bytes(format, zp);
             float sx = a->scale[(row0 + r) * nb + b];
-            int64_t span = bits == 4 ? SUB : B; /* as the AVX2 tile: int4 per 32 k, the others per block */
+            /* as the AVX2 tile: int4 per 32 k, the others per block */
+            int64_t span = format == LLMC_FORMAT_INT4 ? SUB : B;
             for (int64_t s0 = 0; s0 < B; s0 += span) {
                 float xs = 0.0f;
                 for (int64_t s = s0 / SUB; s < (s0 + span) / SUB; s++)
@@ -177,11 +222,17 @@ static void quant_panel_plain(const llmc_qact *a, const uint8_t *panel, float *o
                 for (int c = 0; c < LLMC_PANEL; c++) {
                     int32_t dot = 0;
                     for (int64_t i = s0; i < s0 + span; i++)
-                        dot += xq[b * B + i] * stored_weight(wq, bits, i / 4, c, (int)(i % 4));
-                    float offset = zp ? (float)((const int8_t *)(blk + QUANT_HEADER))[c] : stored_offset(bits);
-                    uint16_t h;
-                    memcpy(&h, blk + 2 * c, sizeof h);
-                    acc[c] += ((float)dot - offset * xs) * (half_to_float(h) * sx);
+                        dot += xq[b * B + i] * stored_weight(wq, format, i / 4, c, (int)(i % 4));
+                    float offset = zp ? (float)((const int8_t *)(blk + QUANT_HEADER))[c] : stored_offset(format);
+                    float scale;
+                    if (format == LLMC_FORMAT_MXFP4)
+                        scale = mx_scale(blk[c]);
+                    else {
+                        uint16_t h;
+                        memcpy(&h, blk + 2 * c, sizeof h);
+                        scale = half_to_float(h);
+                    }
+                    acc[c] += ((float)dot - offset * xs) * (scale * sx);
                 }
             }
         }
@@ -211,13 +262,23 @@ static void half_panel_plain(const float *x, const uint16_t *panel, float *out, 
 #define HAVE_AVX2_PATH 1
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
+/* mx_scale of the 8 E8M0 bytes at e. */
+static inline __attribute__((always_inline)) AVX2 __m256 mx_scales(const uint8_t *e) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e));
+    const __m256i zero = _mm256_and_si256(_mm256_cmpeq_epi32(v, _mm256_setzero_si256()), _mm256_set1_epi32(1 << 22));
+    const __m256 power = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(v, 23), zero));
+    return _mm256_mul_ps(power, _mm256_set1_ps(0.5f));
+}
+
 /* Rows [0, R) of the quantized activations from row0, times one quantized panel, into out. */
 static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qact *a, int64_t row0,
                                                                   const uint8_t *panel, float *out,
-                                                                  int64_t out_stride, const int bits, const int zp,
+                                                                  int64_t out_stride, const int format, const int zp,
                                                                   const int once, const int R) {
-    const int64_t k = a->k, B = a->block, nb = k / B, gb = group_bytes(bits);
-    const int64_t bb = llmc_quant_block_bytes(bits, B, zp), span = bits == 4 ? SUB : B;
+    const int bits = llmc_format_bits(format), mx = format == LLMC_FORMAT_MXFP4;
+    const int narrow = format == LLMC_FORMAT_INT4; /* 16-bit sums over a 32-k sub-block */
+    const int64_t k = a->k, B = a->block, nb = k / B, gb = group_bytes(format);
+    const int64_t bb = llmc_quant_block_bytes(format, B, zp), span = narrow ? SUB : B;
     const int8_t *xq[R];
     for (int r = 0; r < R; r++)
         xq[r] = a->q + (row0 + r) * k;
@@ -226,9 +287,10 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
         for (int j = 0; j < 4; j++)
             acc[r][j] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    const __m256i codes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX_CODES));
     const uint8_t *blk = panel;
     for (int64_t b = 0; b < nb; b++, blk += bb) {
-        const uint8_t *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
+        const uint8_t *wq = blk + header_bytes(format, zp);
         PREFETCH_FOR(once, blk + QUANT_AHEAD);
         PREFETCH_FOR(once, blk + QUANT_AHEAD + 64);
         for (int64_t s0 = 0; s0 < B; s0 += span) {
@@ -254,14 +316,17 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
                         w[2] = _mm256_or_si256(w[2], _mm256_and_si256(h, top));
                         w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
                     }
+                    if (mx)
+                        for (int j = 0; j < 4; j++)
+                            w[j] = _mm256_shuffle_epi8(codes, w[j]);
                     for (int r = 0; r < R; r++) {
                         int32_t four;
                         memcpy(&four, xq[r] + b * B + g * 4, sizeof four);
                         __m256i xb = _mm256_set1_epi32(four);
                         for (int j = 0; j < 4; j++) {
                             __m256i pairs = _mm256_maddubs_epi16(w[j], xb);
-                            dot[r][j] = bits == 4 ? _mm256_add_epi16(dot[r][j], pairs)
-                                                  : _mm256_add_epi32(dot[r][j], _mm256_madd_epi16(pairs, ones));
+                            dot[r][j] = narrow ? _mm256_add_epi16(dot[r][j], pairs)
+                                               : _mm256_add_epi32(dot[r][j], _mm256_madd_epi16(pairs, ones));
                         }
                     }
                 } else {
@@ -285,12 +350,13 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
             /* The sub-block's scales and offsets, then each row's share. */
             __m256 scale[4], offset[4];
             for (int j = 0; j < 4; j++) {
-                scale[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * j)));
+                scale[j] = mx ? mx_scales(blk + 8 * j)
+                              : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * j)));
                 if (zp)
                     offset[j] = _mm256_cvtepi32_ps(
                         _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + QUANT_HEADER + 8 * j))));
                 else
-                    offset[j] = _mm256_set1_ps(stored_offset(bits)); /* int8 symmetric has none */
+                    offset[j] = _mm256_set1_ps(stored_offset(format)); /* int8 symmetric has none */
             }
             for (int r = 0; r < R; r++) {
                 const float *sums = a->sum + (row0 + r) * (k / SUB) + b * (B / SUB) + s0 / SUB;
@@ -299,7 +365,7 @@ static inline __attribute__((always_inline)) AVX2 void quant_tile(const llmc_qac
                     xs += sums[s];
                 __m256 sx = _mm256_set1_ps(a->scale[(row0 + r) * nb + b]), xsv = _mm256_set1_ps(xs);
                 for (int j = 0; j < 4; j++) {
-                    __m256 d = _mm256_cvtepi32_ps(bits == 4 ? _mm256_madd_epi16(dot[r][j], ones) : dot[r][j]);
+                    __m256 d = _mm256_cvtepi32_ps(narrow ? _mm256_madd_epi16(dot[r][j], ones) : dot[r][j]);
                     if (zp || bits != 8)
                         d = _mm256_fnmadd_ps(offset[j], xsv, d);
                     acc[r][j] = _mm256_fmadd_ps(d, _mm256_mul_ps(scale[j], sx), acc[r][j]);
@@ -362,10 +428,10 @@ static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t 
 
 /* One format's panels [p0, p1): the tile specialized per (rows, format) at compile time, at most
  * MAXR (2 or 4: a literal, LLMC_ROWS_<MAXR> dispatches) rows a pass. */
-#define QUANT_PANELS(NAME, TILE, TARGET, BITS, ZP, MAXR)                                                  \
+#define QUANT_PANELS(NAME, TILE, TARGET, FORMAT, ZP, MAXR)                                                \
     static TARGET void NAME(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int64_t p0, int64_t p1) { \
         float tail[MAXR * LLMC_PANEL];                                                                    \
-        const int64_t bytes = (a->k / a->block) * llmc_quant_block_bytes(BITS, a->block, ZP);             \
+        const int64_t bytes = (a->k / a->block) * llmc_quant_block_bytes(FORMAT, a->block, ZP);           \
         const int once = a->m <= MAXR;                                                                    \
         for (int64_t p = p0; p < p1; p++) {                                                               \
             const uint8_t *panel = w + p * bytes;                                                         \
@@ -374,7 +440,7 @@ static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t 
                 int64_t rows = a->m - r >= MAXR ? MAXR : a->m - r;                                        \
                 float *out = width == LLMC_PANEL ? y + r * n + col : tail;                                \
                 int64_t stride = width == LLMC_PANEL ? n : LLMC_PANEL;                                    \
-                LLMC_ROWS_##MAXR(rows, TILE, a, r, panel, out, stride, BITS, ZP, once);                   \
+                LLMC_ROWS_##MAXR(rows, TILE, a, r, panel, out, stride, FORMAT, ZP, once);                 \
                 if (width != LLMC_PANEL)                                                                  \
                     for (int64_t i = 0; i < rows; i++)                                                    \
                         memcpy(y + (r + i) * n + col, tail + i * LLMC_PANEL, (size_t)width * sizeof(float)); \
@@ -382,14 +448,15 @@ static AVX2 void quantize_rows_avx2(const llmc_qact *a, const float *x, int64_t 
             }                                                                                             \
         }                                                                                                 \
     }
-/* Every format's panels for one tile: int4/int6/int8, symmetric and asymmetric. */
+/* Every format's panels for one tile: int4/int6/int8, symmetric and asymmetric, and mxfp4. */
 #define QUANT_FORMATS(SUFFIX, TILE, TARGET, MAXR)                                                         \
-    QUANT_PANELS(int4_sym##SUFFIX, TILE, TARGET, 4, 0, MAXR)                                              \
-    QUANT_PANELS(int4_asym##SUFFIX, TILE, TARGET, 4, 1, MAXR)                                             \
-    QUANT_PANELS(int6_sym##SUFFIX, TILE, TARGET, 6, 0, MAXR)                                              \
-    QUANT_PANELS(int6_asym##SUFFIX, TILE, TARGET, 6, 1, MAXR)                                             \
-    QUANT_PANELS(int8_sym##SUFFIX, TILE, TARGET, 8, 0, MAXR)                                              \
-    QUANT_PANELS(int8_asym##SUFFIX, TILE, TARGET, 8, 1, MAXR)
+    QUANT_PANELS(int4_sym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT4, 0, MAXR)                               \
+    QUANT_PANELS(int4_asym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT4, 1, MAXR)                              \
+    QUANT_PANELS(int6_sym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT6, 0, MAXR)                               \
+    QUANT_PANELS(int6_asym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT6, 1, MAXR)                              \
+    QUANT_PANELS(int8_sym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT8, 0, MAXR)                               \
+    QUANT_PANELS(int8_asym##SUFFIX, TILE, TARGET, LLMC_FORMAT_INT8, 1, MAXR)                              \
+    QUANT_PANELS(mxfp4##SUFFIX, TILE, TARGET, LLMC_FORMAT_MXFP4, 0, MAXR)
 QUANT_FORMATS(, quant_tile, AVX2, ONE_PASS_ROWS)
 
 /* -- AVX-512 VNNI ------------------------------------------------------------------------------ */
@@ -401,6 +468,8 @@ QUANT_FORMATS(, quant_tile, AVX2, ONE_PASS_ROWS)
  *   the scales and offsets are loaded in it.
  * - int8: each weight byte XOR 0x80 is w + 128 as an unsigned byte, so the offset is the zero
  *   point plus 128 (at most 255 * 127 * 128 < 2^24 a block: exact in float, as above).
+ * - mxfp4: int4's group, both nibbles shifted down to look their codes up (vpshufb indexes with
+ *   the low 4 bits but zeroes a byte whose bit 7 is set), no 16x trick.
  * int32 sums cannot overflow within a block, so every format takes a whole block before its
  * offset and scale are applied. */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -423,6 +492,15 @@ static inline __attribute__((always_inline)) VNNI __m512 halves_at(const uint8_t
     return _mm512_cvtph_ps(h);
 }
 
+/* mx_scale of 16 E8M0 bytes from two 8-byte runs at a and b. */
+static inline __attribute__((always_inline)) VNNI __m512 mx_scales_at(const uint8_t *a, const uint8_t *b) {
+    __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+    __m512i e = _mm512_cvtepu8_epi32(v);
+    __m512i power = _mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                                          _mm512_set1_epi32(1 << 22));
+    return _mm512_mul_ps(_mm512_castsi512_ps(power), _mm512_set1_ps(0.5f));
+}
+
 /* 16 int8 values from two 8-value runs at a and b, as floats. */
 static inline __attribute__((always_inline)) VNNI __m512 bytes_at(const uint8_t *a, const uint8_t *b) {
     __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
@@ -436,8 +514,8 @@ static inline __attribute__((always_inline)) VNNI __m256 upper_half(__m512 v) {
 /* A 4-k group of 32 columns as vpdpbusd's unsigned operands, in accumulator order. int4's high
  * nibbles are masked in place, 16x their value (a 128-block's sums stay below 2^22, so the float
  * product by 1/16 afterwards is exact): one instruction fewer than shifting them down. */
-static inline __attribute__((always_inline)) VNNI void vnni_group(const uint8_t *gp, const int bits, __m512i w[2]) {
-    if (bits == 8) {
+static inline __attribute__((always_inline)) VNNI void vnni_group(const uint8_t *gp, const int format, __m512i w[2]) {
+    if (format == LLMC_FORMAT_INT8) {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
         w[0] = _mm512_xor_si512(_mm512_loadu_si512(gp), flip);
         w[1] = _mm512_xor_si512(_mm512_loadu_si512(gp + 64), flip);
@@ -446,8 +524,14 @@ static inline __attribute__((always_inline)) VNNI void vnni_group(const uint8_t 
     const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     __m512i v = _mm512_loadu_si512(gp);
     w[0] = _mm512_and_si512(v, nibble);
-    if (bits == 4) {
+    if (format == LLMC_FORMAT_INT4) {
         w[1] = _mm512_and_si512(v, _mm512_set1_epi8((char)0xF0));
+        return;
+    }
+    if (format == LLMC_FORMAT_MXFP4) {
+        const __m512i codes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_CODES));
+        w[0] = _mm512_shuffle_epi8(codes, w[0]);
+        w[1] = _mm512_shuffle_epi8(codes, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
         return;
     }
     w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
@@ -462,10 +546,11 @@ static inline __attribute__((always_inline)) VNNI void vnni_group(const uint8_t 
 
 static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact *a, int64_t row0,
                                                                  const uint8_t *panel, float *out,
-                                                                 int64_t out_stride, const int bits, const int zp,
+                                                                 int64_t out_stride, const int format, const int zp,
                                                                  const int once, const int R) {
-    const int64_t k = a->k, B = a->block, nb = k / B, gb = group_bytes(bits);
-    const int64_t bb = llmc_quant_block_bytes(bits, B, zp);
+    const int bits = llmc_format_bits(format);
+    const int64_t k = a->k, B = a->block, nb = k / B, gb = group_bytes(format);
+    const int64_t bb = llmc_quant_block_bytes(format, B, zp);
     const int8_t *xq[R];
     for (int r = 0; r < R; r++)
         xq[r] = a->q + (row0 + r) * k;
@@ -476,7 +561,7 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
     const int lo0 = 0, lo1 = bits == 8 ? 8 : 16, hi0 = bits == 8 ? 16 : 8, hi1 = 24;
     const uint8_t *blk = panel;
     for (int64_t b = 0; b < nb; b++, blk += bb) {
-        const uint8_t *wq = blk + QUANT_HEADER + (zp ? QUANT_ZP : 0);
+        const uint8_t *wq = blk + header_bytes(format, zp);
         __m512i dot[R][2];
         for (int r = 0; r < R; r++)
             dot[r][0] = dot[r][1] = _mm512_setzero_si512();
@@ -489,8 +574,8 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
                 __m512i w[2][2];
                 for (int64_t line = 0; line < 2 * gb; line += 64)
                     _mm_prefetch((const char *)(wq + g * gb + ONE_ROW_AHEAD + line), _MM_HINT_T0);
-                vnni_group(wq + g * gb, bits, w[0]);
-                vnni_group(wq + (g + 1) * gb, bits, w[1]);
+                vnni_group(wq + g * gb, format, w[0]);
+                vnni_group(wq + (g + 1) * gb, format, w[1]);
                 int32_t four[2];
                 memcpy(four, xq[0] + b * B + g * 4, sizeof four);
                 __m512i x0 = _mm512_set1_epi32(four[0]), x1 = _mm512_set1_epi32(four[1]);
@@ -510,7 +595,7 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
                 if (bits == 8)
                     PREFETCH_FOR(once, gp + QUANT_AHEAD + 64);
                 __m512i w[2];
-                vnni_group(gp, bits, w);
+                vnni_group(gp, format, w);
                 for (int r = 0; r < R; r++) {
                     int32_t four;
                     memcpy(&four, xq[r] + b * B + g * 4, sizeof four);
@@ -521,7 +606,14 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
             }
         }
         /* The block's scales and offsets in accumulator order, then each row's share. */
-        __m512 scale[2] = {halves_at(blk + 2 * lo0, blk + 2 * lo1), halves_at(blk + 2 * hi0, blk + 2 * hi1)};
+        __m512 scale[2];
+        if (format == LLMC_FORMAT_MXFP4) {
+            scale[0] = mx_scales_at(blk + lo0, blk + lo1);
+            scale[1] = mx_scales_at(blk + hi0, blk + hi1);
+        } else {
+            scale[0] = halves_at(blk + 2 * lo0, blk + 2 * lo1);
+            scale[1] = halves_at(blk + 2 * hi0, blk + 2 * hi1);
+        }
         __m512 offset[2];
         const float base = bits == 8 ? 128.0f : 0.0f;
         if (zp) {
@@ -529,7 +621,7 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
             offset[0] = _mm512_add_ps(bytes_at(z + lo0, z + lo1), _mm512_set1_ps(base));
             offset[1] = _mm512_add_ps(bytes_at(z + hi0, z + hi1), _mm512_set1_ps(base));
         } else
-            offset[0] = offset[1] = _mm512_set1_ps(base + stored_offset(bits));
+            offset[0] = offset[1] = _mm512_set1_ps(base + stored_offset(format));
         for (int r = 0; r < R; r++) {
             const float *sums = a->sum + (row0 + r) * (k / SUB) + b * (B / SUB);
             float xs = 0.0f;
@@ -538,7 +630,7 @@ static inline __attribute__((always_inline)) VNNI void vnni_tile(const llmc_qact
             __m512 sx = _mm512_set1_ps(a->scale[(row0 + r) * nb + b]), xsv = _mm512_set1_ps(xs);
             for (int j = 0; j < 2; j++) {
                 __m512 sum = _mm512_cvtepi32_ps(dot[r][j]);
-                if (bits == 4 && j == 1)
+                if (format == LLMC_FORMAT_INT4 && j == 1)
                     sum = _mm512_mul_ps(sum, _mm512_set1_ps(1.0f / 16));
                 __m512 d = _mm512_fnmadd_ps(offset[j], xsv, sum);
                 acc[r][j] = _mm512_fmadd_ps(d, _mm512_mul_ps(scale[j], sx), acc[r][j]);
@@ -565,14 +657,16 @@ QUANT_FORMATS(_vnni, vnni_tile, VNNI, VNNI_ROWS)
 #endif
 QUANT_FORMATS(_vnni_few, vnni_tile, VNNI_FEW, VNNI_FEW_ROWS)
 
-/* Each format's panels by [tile][int4, int6, int8][symmetric, asymmetric]. */
+/* Each format's panels by [tile][format_index][symmetric, asymmetric] (mxfp4 has no zero points:
+ * the ops refuse them, and both entries are its one tile). */
 enum { TILE_AVX2, TILE_VNNI, TILE_VNNI_FEW /* at most FEW_ROWS rows */ };
 typedef void (*quant_panels_fn)(const llmc_qact *, const uint8_t *, float *, int64_t, int64_t, int64_t);
-static const quant_panels_fn QUANT_PANELS_BY[3][3][2] = {
-    {{int4_sym, int4_asym}, {int6_sym, int6_asym}, {int8_sym, int8_asym}},
-    {{int4_sym_vnni, int4_asym_vnni}, {int6_sym_vnni, int6_asym_vnni}, {int8_sym_vnni, int8_asym_vnni}},
+static const quant_panels_fn QUANT_PANELS_BY[3][QUANT_FORMAT_COUNT][2] = {
+    {{int4_sym, int4_asym}, {int6_sym, int6_asym}, {int8_sym, int8_asym}, {mxfp4, mxfp4}},
+    {{int4_sym_vnni, int4_asym_vnni}, {int6_sym_vnni, int6_asym_vnni}, {int8_sym_vnni, int8_asym_vnni},
+     {mxfp4_vnni, mxfp4_vnni}},
     {{int4_sym_vnni_few, int4_asym_vnni_few}, {int6_sym_vnni_few, int6_asym_vnni_few},
-     {int8_sym_vnni_few, int8_asym_vnni_few}},
+     {int8_sym_vnni_few, int8_asym_vnni_few}, {mxfp4_vnni_few, mxfp4_vnni_few}},
 };
 
 /* Rows [0, R) of x times one 16-bit panel: the fp32 tile with a conversion after each load. */
@@ -687,27 +781,28 @@ void llmc_quantize_rows(const llmc_qact *a, const float *x, int64_t row0, int64_
     quantize_rows_plain(a, x, row0, row1);
 }
 
-/* Which tile a decode step's product (at most ONE_PASS_ROWS rows) takes per format (int4, int6,
- * int8): 1 VNNI, 0 AVX2, as measured on this host (llmc_probe_quant, plugins/cpu/host.py) and set
- * before a session runs; -1 until then: VNNI but for int8, the rule of the first VNNI host measured
- * (docs/quantization.md), which the Intel host contradicts. */
-static int decode_vnni[3] = {-1, -1, -1};
+/* Which tile a decode step's product (at most ONE_PASS_ROWS rows) takes per quantized format
+ * (format_index): 1 VNNI, 0 AVX2, as measured on this host (llmc_probe_quant, plugins/cpu/host.py)
+ * and set before a session runs; -1 until then: VNNI but for int8, the rule of the first VNNI host
+ * measured (docs/quantization.md), which the Intel host contradicts. */
+static int decode_vnni[QUANT_FORMAT_COUNT] = {-1, -1, -1, -1};
 
-LLMC_EXPORT int llmc_set_decode_tile(int bits, int vnni) {
-    if ((bits != 4 && bits != 6 && bits != 8) || vnni < -1 || vnni > 1)
+/* format: LLMC_FORMAT_INT8, INT6, INT4 or MXFP4. */
+LLMC_EXPORT int llmc_set_decode_tile(int format, int vnni) {
+    if (format_index(format) < 0 || vnni < -1 || vnni > 1)
         return -1;
-    decode_vnni[(bits - 4) / 2] = vnni;
+    decode_vnni[format_index(format)] = vnni;
     return 0;
 }
 
 #if HAVE_AVX2_PATH
-static int takes_vnni(int bits, int64_t m) {
+static int takes_vnni(int format, int64_t m) {
     if (!llmc_vnni())
         return 0;
     if (m > ONE_PASS_ROWS)
         return 1;
-    const int chosen = decode_vnni[(bits - 4) / 2];
-    return chosen < 0 ? bits != 8 : chosen;
+    const int chosen = decode_vnni[format_index(format)];
+    return chosen < 0 ? format != LLMC_FORMAT_INT8 : chosen;
 }
 #endif
 
@@ -728,19 +823,19 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* How long m rows times a [k, n] symmetric block-32 weight of `bits` take through each tile, on
+/* How long m rows times a [k, n] symmetric block-32 weight of `format` take through each tile, on
  * this thread: seconds[0] the AVX2 tile's, seconds[1] the VNNI one's (-1 where the CPU lacks it),
  * the fastest of `reps` calls each, the tiles taking turns. The weight (random integers, fixed
  * scales) should exceed the last-level cache, so it streams from memory as a model's does.
  * Returns 0, or -1 where no tile runs (no AVX2, bad arguments, no memory). */
-LLMC_EXPORT int llmc_probe_quant(int bits, int64_t m, int64_t k, int64_t n, int reps, double seconds[2]) {
+LLMC_EXPORT int llmc_probe_quant(int format, int64_t m, int64_t k, int64_t n, int reps, double seconds[2]) {
     seconds[0] = seconds[1] = -1;
 #if HAVE_AVX2_PATH
-    if ((bits != 4 && bits != 6 && bits != 8) || m < 1 || m > FEW_ROWS || k % 32 || n < 1 || reps < 1 ||
-        !llmc_avx2())
+    if (format_index(format) < 0 || m < 1 || m > FEW_ROWS || k % 32 || n < 1 || reps < 1 || !llmc_avx2())
         return -1;
     const int64_t block = 32, panels = (n + LLMC_PANEL - 1) / LLMC_PANEL;
-    const int64_t bytes = llmc_quant_bytes(k, n, bits, block, 0), block_bytes = llmc_quant_block_bytes(bits, block, 0);
+    const int64_t bytes = llmc_quant_bytes(k, n, format, block, 0),
+                  block_bytes = llmc_quant_block_bytes(format, block, 0);
     uint64_t *w = malloc((size_t)(bytes + 7) / 8 * 8);
     float *x = malloc((size_t)(m * k) * sizeof(float)), *y = malloc((size_t)(m * n) * sizeof(float));
     void *scratch = malloc((size_t)llmc_qact_bytes(m, k, block));
@@ -752,9 +847,12 @@ LLMC_EXPORT int llmc_probe_quant(int bits, int64_t m, int64_t k, int64_t n, int 
             w[i] = state;
         }
         uint8_t *blob = (uint8_t *)w;
-        for (int64_t b = 0; b < bytes / block_bytes; b++)  /* each block's 32 float16 scales: 1/256 */
+        for (int64_t b = 0; b < bytes / block_bytes; b++)  /* each block's 32 scales: 1/256 */
             for (int c = 0; c < LLMC_PANEL; c++)
-                memcpy(blob + b * block_bytes + 2 * c, &(uint16_t){0x1c00}, 2);
+                if (format == LLMC_FORMAT_MXFP4)
+                    blob[b * block_bytes + c] = 127 - 8;
+                else
+                    memcpy(blob + b * block_bytes + 2 * c, &(uint16_t){0x1c00}, 2);
         for (int64_t i = 0; i < m * k; i++)
             x[i] = (float)((i * 7919) % 255) / 127.0f - 1.0f;
         llmc_qact a;
@@ -763,7 +861,7 @@ LLMC_EXPORT int llmc_probe_quant(int bits, int64_t m, int64_t k, int64_t n, int 
         for (int r = 0; r < reps; r++)
             for (int vnni = 0; vnni <= llmc_vnni(); vnni++) {
                 const double t0 = now();
-                QUANT_PANELS_BY[vnni ? TILE_VNNI_FEW : TILE_AVX2][(bits - 4) / 2][0](&a, blob, y, n, 0, panels);
+                QUANT_PANELS_BY[vnni ? TILE_VNNI_FEW : TILE_AVX2][format_index(format)][0](&a, blob, y, n, 0, panels);
                 const double took = now() - t0;
                 seconds[vnni] = seconds[vnni] < 0 || took < seconds[vnni] ? took : seconds[vnni];
             }
@@ -772,7 +870,7 @@ LLMC_EXPORT int llmc_probe_quant(int bits, int64_t m, int64_t k, int64_t n, int 
     free(w), free(x), free(y), free(scratch);
     return status;
 #else
-    (void)bits, (void)m, (void)k, (void)n, (void)reps;
+    (void)format, (void)m, (void)k, (void)n, (void)reps;
     return -1;
 #endif
 }
@@ -819,22 +917,22 @@ LLMC_EXPORT int llmc_probe_16bit(int bf16, int64_t m, int64_t k, int64_t n, int 
 #endif
 }
 
-void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int bits, int zero_points,
+void llmc_linear_quant(const llmc_qact *a, const uint8_t *w, float *y, int64_t n, int format, int zero_points,
                        int64_t p0, int64_t p1) {
 #if HAVE_AVX2_PATH
-    const int vnni = takes_vnni(bits, a->m);
+    const int vnni = takes_vnni(format, a->m);
     if (vnni || llmc_avx2()) {
         const int tile = !vnni ? TILE_AVX2 : a->m <= FEW_ROWS ? TILE_VNNI_FEW : TILE_VNNI;
-        QUANT_PANELS_BY[tile][(bits - 4) / 2][zero_points != 0](a, w, y, n, p0, p1);
+        QUANT_PANELS_BY[tile][format_index(format)][zero_points != 0](a, w, y, n, p0, p1);
         return;
     }
 #endif
     float tail[LLMC_PANEL];
-    const int64_t bytes = (a->k / a->block) * llmc_quant_block_bytes(bits, a->block, zero_points);
+    const int64_t bytes = (a->k / a->block) * llmc_quant_block_bytes(format, a->block, zero_points);
     for (int64_t p = p0; p < p1; p++) {
         int64_t col = p * LLMC_PANEL, width = n - col < LLMC_PANEL ? n - col : LLMC_PANEL;
         for (int64_t r = 0; r < a->m; r++) {
-            quant_panel_plain(a, w + p * bytes, tail, LLMC_PANEL, r, 1, bits, zero_points);
+            quant_panel_plain(a, w + p * bytes, tail, LLMC_PANEL, r, 1, format, zero_points);
             memcpy(y + r * n + col, tail, (size_t)width * sizeof(float));
         }
     }

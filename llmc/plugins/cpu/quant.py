@@ -11,8 +11,12 @@ nibbles (int4), or those nibbles as the low 4 bits and 32 bytes of the high 2 (i
 step streams each block's scales with its weights. Symmetric int4 at B = 32 is 4.5 bits a weight,
 int6 6.5. int6 has no ONNX type: the graph holds it as int8 in [-32, 31] (or uint8 in [0, 63]).
 
+mxfp4 (weight_format 6) holds an OCP Microscaling checkpoint's weights (gpt-oss's experts) as they
+are, rearranged into the same panels: per block of 32 k, 32 E8M0 scale bytes then int4's 64 nibble
+bytes a group, each nibble an E2M1 code, 4.25 bits a weight (pack_mxfp4; kernels.h has the layout).
+
 The kernel quantizes activations on the fly (per row and block, symmetric int8) and sums integer
-products; `reference` is that arithmetic in numpy, the oracle of the tests.
+products; `reference` (and `reference_mxfp4`) is that arithmetic in numpy, the oracle of the tests.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 
 from llmc.plugins.cpu import PANEL
 
-WEIGHT_FORMATS = {"fp32": 0, "bf16": 1, "fp16": 2, "int8": 3, "int4": 4, "int6": 5}
+WEIGHT_FORMATS = {"fp32": 0, "bf16": 1, "fp16": 2, "int8": 3, "int4": 4, "int6": 5, "mxfp4": 6}
 QUANT_BITS = (8, 6, 4)
 BLOCK_SIZES = (32, 64, 128)
 _SCALES = PANEL * 2  # a block's float16 scales, bytes
@@ -87,20 +91,31 @@ def pack_quantized(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | No
         zp = np.zeros((blocks, cols), np.int16)
         zp[:, :n] = zero_point.astype(np.int16) - (128 if bits == 8 else 0)
         parts.append(zp.astype(np.int8).reshape(blocks, panels, PANEL).transpose(1, 0, 2).view(np.uint8))
-    # [K, cols] -> [panel, block, group, column, k in group]
-    groups = stored.reshape(blocks, block_size // 4, 4, panels, PANEL).transpose(3, 0, 1, 4, 2)
+    groups = _groups(stored, block_size)
     if bits == 8:
         body = groups.astype(np.int8).view(np.uint8)
-    else:  # per 16 columns one 32-byte vector: columns c (low nibble) and c + 8 (high), 4 k each
-        g = groups.astype(np.uint8).reshape(panels, blocks, block_size // 4, 2, 2, 8, 4)
-        body = (g[..., 0, :, :] & 15) | (g[..., 1, :, :] & 15) << 4
+    else:
+        body = _nibbles(groups)
         if bits == 6:  # then 32 bytes: column c % 8 + 8j's high 2 bits at bits 2j of byte c % 8 * 4 + k
-            high = g.reshape(panels, blocks, block_size // 4, 4, 8, 4) >> 4
+            high = groups.astype(np.uint8).reshape(panels, blocks, block_size // 4, 4, 8, 4) >> 4
             plane = high[..., 0, :, :] | high[..., 1, :, :] << 2 | high[..., 2, :, :] << 4 | high[..., 3, :, :] << 6
             body = np.concatenate([body.reshape(panels, blocks, block_size // 4, 64),
                                    plane.reshape(panels, blocks, block_size // 4, 32)], axis=3)
     parts.append(body.reshape(panels, blocks, -1))
     return np.ascontiguousarray(np.concatenate(parts, axis=2)).ravel()
+
+
+def _groups(stored: np.ndarray, block_size: int) -> np.ndarray:
+    """[K, cols] -> [panel, block, group, column, k in group]: the order a blob holds a block's weights."""
+    k, cols = stored.shape
+    return stored.reshape(k // block_size, block_size // 4, 4, cols // PANEL, PANEL).transpose(3, 0, 1, 4, 2)
+
+
+def _nibbles(groups: np.ndarray) -> np.ndarray:
+    """int4's 64 bytes a group: per 16 columns one 32-byte vector, byte c % 8 * 4 + k holding column
+    c (low nibble) and c + 8 (high), 4 k each. [panel, block, group, 32, 4] -> [..., 2, 8, 4] uint8."""
+    g = groups.astype(np.uint8).reshape(*groups.shape[:3], 2, 2, 8, 4)
+    return (g[..., 0, :, :] & 15) | (g[..., 1, :, :] & 15) << 4
 
 
 def pack_quantized_experts(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, bits: int,
@@ -110,6 +125,103 @@ def pack_quantized_experts(q: np.ndarray, scale: np.ndarray, zero_point: np.ndar
     [K, N] weight, what llmc.cpu::Experts reads with a quantized weight_format."""
     return np.stack([pack_quantized(q[e].T, scale[e].T, None if zero_point is None else zero_point[e].T, bits,
                                     block_size) for e in range(len(q))])
+
+
+# -- mxfp4 ----------------------------------------------------------------------------------------
+
+MXFP4_BLOCK = 32  # weights per E8M0 scale, along K
+# An E2M1 code's value: bit 3 the sign, code & 7 indexes the magnitudes (transformers' FP4_VALUES).
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+_MX_BLOCK_BYTES = PANEL + MXFP4_BLOCK // 4 * _group_bytes(4)  # 32 scale bytes, 8 groups of nibbles: 544
+_MX_PADDING_SCALE = 127  # the padding columns' scale byte (2^0: no subnormal in the tile's arithmetic)
+
+
+def mxfp4_bytes(k: int, n: int) -> int:
+    """The size of an mxfp4 blob for a [K, N] weight (llmc_quant_bytes in quant.c)."""
+    return -(-n // PANEL) * (k // MXFP4_BLOCK) * _MX_BLOCK_BYTES
+
+
+def _check_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> None:
+    if (blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.ndim != 3 or blocks.shape[2] != 16
+            or scales.shape != blocks.shape[:2]):
+        raise ValueError(f"mxfp4 weights are blocks uint8 [N, K / 32, 16] and scales uint8 [N, K / 32], not "
+                         f"{blocks.dtype} {list(blocks.shape)} and {scales.dtype} {list(scales.shape)}")
+
+
+def _codes(blocks: np.ndarray) -> np.ndarray:
+    """The checkpoint's [N, K / 32, 16] bytes -> E2M1 codes [N, K]: weight k = 32 g + 2 i in the low
+    nibble of block g's byte i, k + 1 in its high nibble."""
+    return np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(blocks.shape[0], -1)
+
+
+def pack_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """One weight as an MXFP4 checkpoint holds it (gpt-oss's `*_blocks` uint8 [N, K / 32, 16] and
+    `*_scales` uint8 [N, K / 32] of one expert, N the output rows) -> the blob (uint8, 1-D, of
+    mxfp4_bytes) the ops read with weight_format WEIGHT_FORMATS["mxfp4"]: the same codes and scale
+    bytes, rearranged into column panels."""
+    _check_mxfp4(blocks, scales)
+    n, nb = scales.shape
+    k, panels = nb * MXFP4_BLOCK, -(-n // PANEL)
+    codes = np.zeros((k, panels * PANEL), np.uint8)  # padding columns: code 0
+    codes[:, :n] = _codes(blocks).T
+    e = np.full((nb, panels * PANEL), _MX_PADDING_SCALE, np.uint8)
+    e[:, :n] = scales.T
+    head = e.reshape(nb, panels, PANEL).transpose(1, 0, 2)
+    body = _nibbles(_groups(codes, MXFP4_BLOCK)).reshape(panels, nb, -1)
+    return np.ascontiguousarray(np.concatenate([head, body], axis=2)).ravel()
+
+
+def unpack_mxfp4(blob: np.ndarray, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """pack_mxfp4's inverse: the blob of a [K, N] weight -> (blocks [N, K / 32, 16], scales [N, K / 32])."""
+    panels, nb = -(-n // PANEL), k // MXFP4_BLOCK
+    if blob.dtype != np.uint8 or blob.size != mxfp4_bytes(k, n) or k % MXFP4_BLOCK:
+        raise ValueError(f"not an mxfp4 blob of K = {k}, N = {n} ({mxfp4_bytes(k, n)} bytes)")
+    parts = blob.reshape(panels, nb, _MX_BLOCK_BYTES)
+    scales = parts[:, :, :PANEL].transpose(1, 0, 2).reshape(nb, -1)[:, :n].T
+    body = parts[:, :, PANEL:].reshape(panels, nb, MXFP4_BLOCK // 4, 2, 8, 4)  # [.., half, column % 8, k % 4]
+    nibbles = np.stack([body & 15, body >> 4], axis=4)  # [.., half, low / high, column % 8, k % 4]
+    codes = nibbles.reshape(panels, nb, MXFP4_BLOCK // 4, PANEL, 4).transpose(1, 2, 4, 0, 3).reshape(k, -1)
+    pairs = codes[:, :n].T.reshape(n, nb, 16, 2)
+    return np.ascontiguousarray(pairs[..., 0] | pairs[..., 1] << 4), np.ascontiguousarray(scales)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The weight the checkpoint means, float32 [N, K]: FP4_VALUES[code] * 2^(scale - 127), as
+    transformers' convert_moe_packed_tensors computes it (ldexp, so scale byte 0 gives the subnormal
+    multiples of 2^-128 and 255 overflows: +-inf, but +-2^127 for +-0.5 and +-0 for the zero codes)."""
+    _check_mxfp4(blocks, scales)
+    exponent = np.repeat(scales.astype(np.int32) - 127, MXFP4_BLOCK, axis=1)
+    with np.errstate(over="ignore"):
+        return np.ldexp(FP4_VALUES[_codes(blocks)], exponent)
+
+
+def mxfp4_factors(scales: np.ndarray) -> np.ndarray:
+    """The kernel's factor of each block, float32(2^(e - 127)) / 2 as float64 (the codes read as twice
+    their value): 2^(e - 128), and +inf for e = 255, whose 2^128 overflows float32 (kernels.h)."""
+    with np.errstate(over="ignore"):
+        return np.ldexp(np.float32(1), scales.astype(np.int32) - 127).astype(np.float64) / 2
+
+
+def reference_mxfp4(x: np.ndarray, blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """x [..., K] @ the mxfp4 weight's transpose ([..., N]), with the kernel's arithmetic: activations
+    quantized per row and block of 32, exact integer sums of xq * 2 value per block, then sx *
+    2^(e - 128) per block (float64 here; a 255 scale's +inf makes NaN where sx or the sum is 0)."""
+    _check_mxfp4(blocks, scales)
+    n, nb = scales.shape
+    rows = x.reshape(-1, nb * MXFP4_BLOCK)
+    xq, sx = quantize_activations(rows, MXFP4_BLOCK)
+    twice = (2 * FP4_VALUES[_codes(blocks)]).astype(np.int64).reshape(n, nb, MXFP4_BLOCK)
+    dots = np.einsum("mbk,nbk->mbn", xq, twice).astype(np.float64)  # integers
+    with np.errstate(invalid="ignore"):
+        y = np.einsum("mbn,mb,nb->mn", dots, sx.astype(np.float64), mxfp4_factors(scales))
+    return y.reshape(*x.shape[:-1], n)
+
+
+def pack_mxfp4_experts(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Stacked experts as the checkpoint holds them, blocks [E, N, K / 32, 16] and scales [E, N, K / 32]
+    -> [E, bytes]: each expert's pack_mxfp4 blob, what llmc.cpu::Experts reads with weight_format 6."""
+    return np.stack([pack_mxfp4(b, s) for b, s in zip(blocks, scales)])
 
 
 def pack_16bit(w: np.ndarray, dtype: str) -> np.ndarray:
