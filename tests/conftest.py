@@ -49,6 +49,7 @@ def _export_each_checkpoint_once():
     import onnx_ir as ir
 
     from llmc.compiler import export
+    from llmc.passes import lazy
 
     real, graphs = export.export_onnx, {}
 
@@ -62,6 +63,8 @@ def _export_each_checkpoint_once():
         key = (str(folder), files, hf_model.config.to_json_string(), impls, repr(spec), weights is None)
         if key not in graphs:
             model = real(hf_model, spec, weights)
+            if any(isinstance(v.const_value, lazy.Mxfp4Stack) for v in model.graph.initializers.values()):
+                return model  # a copy would lose what the packing keeps bit for bit: the MXFP4 codes
             try:  # reads every weight: a damaged checkpoint's build must find out in its own time
                 graphs[key] = ir.to_proto(model).SerializeToString()
             except Exception:

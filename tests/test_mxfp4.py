@@ -217,3 +217,103 @@ def test_mxfp4_attributes_are_checked():
     blob = quant.pack_mxfp4(*_checkpoint(np.random.default_rng(3), 40, 64))
     with pytest.raises(Exception, match=r"mxfp4 weight must be a 1-D uint8 blob of 2176 bytes for K = 64"):
         sess.run(None, {"x": np.ones((1, 64), np.float32), "w": blob[:-1].copy()})
+
+
+FP4_MAGNITUDES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+
+
+def _to_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., N, K] float weights -> MXFP4 as gpt-oss's checkpoints store them (blocks [..., N, K / 32,
+    16], scales [..., N, K / 32]): per 32 values a power-of-two scale that fits the largest in 6,
+    each value the nearest E2M1 code, two codes a byte (the even k in the low nibble)."""
+    blocks = w.reshape(*w.shape[:-1], -1, 32)
+    top = np.abs(blocks).max(-1, keepdims=True)
+    exponent = np.where(top > 0, np.ceil(np.log2(np.maximum(top, 1e-30) / 6)), 0).astype(np.int32)
+    scaled = blocks / np.exp2(exponent)
+    magnitude = np.abs(np.abs(scaled)[..., None] - FP4_MAGNITUDES).argmin(-1)
+    codes = (magnitude | ((scaled < 0) & (magnitude > 0)) << 3).astype(np.uint8)
+    packed = codes[..., 0::2] | codes[..., 1::2] << 4
+    return np.ascontiguousarray(packed), np.ascontiguousarray(exponent[..., 0] + 127, dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_gpt_oss(tmp_path_factory):
+    """tiny-gpt-oss as OpenAI releases gpt-oss: its experts' stacks MXFP4 (`*_blocks`, `*_scales`,
+    rows the output features, gate and up interleaved), everything else float, and config.json's
+    quantization_config saying so."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from llmc.compiler.recipes import materialize
+
+    folder = tmp_path_factory.mktemp("gpt-oss-mxfp4") / "model"
+    shutil.copytree(materialize("tiny-gpt-oss"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        # transformers' float stacks are [E, in, out]; MXFP4 rows are the output features
+        tensors[name + "_blocks"], tensors[name + "_scales"] = _to_mxfp4(tensors.pop(name).transpose(0, 2, 1))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, tensors
+
+
+def test_a_gpt_oss_checkpoint_in_mxfp4_builds_with_its_codes_as_released(mxfp4_gpt_oss, tmp_path):
+    """The engine's experts are the checkpoint's MXFP4 bytes rearranged (weight_format mxfp4, no
+    requantization), at --quant int4 too; its next-token distributions are transformers' on the
+    same checkpoint but for the kernel's rounding of the activations."""
+    import json
+    import shutil
+
+    import onnx
+    from click.testing import CliRunner
+    from safetensors.numpy import save_file
+
+    from llmc.cli import main
+    from llmc.compiler.build import build
+    from llmc.contract.options import BuildOptions
+
+    folder, tensors = mxfp4_gpt_oss
+    for quant_option in ("fp32", "int4"):
+        engine = build(str(folder), tmp_path / quant_option, BuildOptions(
+            block_size=4, max_context=128, quant="none" if quant_option == "fp32" else quant_option,
+            verify=True)).engine_dir
+        model = onnx.load(engine / "model.onnx")
+        nodes = [n for n in model.graph.node if n.op_type == "Experts"]
+        assert len(nodes) == 3
+        blobs = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer if i.name.endswith(".mxfp4")}
+        for node in nodes:
+            attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+            assert attrs["weight_format"] == MXFP4 and attrs["block_size"] == 32
+            layer = node.input[3].split(".experts.")[0].removeprefix("model.")  # the exporter's prefix
+            for stack, k, n in (("gate_up_proj", 64, 64), ("down_proj", 32, 64)):
+                blob = blobs[f"model.{layer}.experts.{stack}.mxfp4"]
+                blocks, scales = tensors[f"{layer}.experts.{stack}_blocks"], tensors[f"{layer}.experts.{stack}_scales"]
+                order = np.r_[0:n:2, 1:n:2] if stack == "gate_up_proj" else np.arange(n)  # gate rows, then up
+                for e in range(len(blob)):
+                    got_blocks, got_scales = quant.unpack_mxfp4(blob[e], k, n)
+                    np.testing.assert_array_equal(got_blocks, blocks[e][order])
+                    np.testing.assert_array_equal(got_scales, scales[e][order])
+    # The reference: transformers on the float checkpoint the codes mean (quant.dequantize_mxfp4 is
+    # transformers' own dequantization bit for bit; loading MXFP4 itself needs accelerate).
+    dequantized = tmp_path / "dequantized"
+    shutil.copytree(folder, dequantized)
+    floats = {n: t for n, t in tensors.items() if not n.endswith(("_blocks", "_scales"))}
+    for name in {n[:-len("_blocks")] for n in tensors if n.endswith("_blocks")}:
+        w = np.stack([quant.dequantize_mxfp4(b, s) for b, s in zip(tensors[name + "_blocks"], tensors[name + "_scales"])])
+        floats[name] = np.ascontiguousarray(w.transpose(0, 2, 1))  # transformers' [E, in, out]
+    save_file(floats, dequantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dequantized / "config.json").read_text())
+    del config["quantization_config"]
+    (dequantized / "config.json").write_text(json.dumps(config))
+    (tmp_path / "text.txt").write_text("".join(f"def area_{i}(r):\n    return 3.14159 * r * r\n\n" for i in range(12)))
+    result = CliRunner().invoke(main, ["eval", str(tmp_path / "fp32"), str(tmp_path / "text.txt"), "--reference",
+                                       str(dequantized), "--context", "64", "--json"])
+    assert result.exit_code == 0, result.output
+    reference = json.loads(result.stdout)["reference"]
+    # the same weights; the kernel rounds the activations to int8 per block of 32
+    assert reference["kl_mean"] < 0.02 and reference["top1_agreement"] > 0.9, reference

@@ -128,6 +128,9 @@ def _checkpoint_tensor(weights, name: str, value):
     from llmc.passes import lazy
 
     shape = tuple(value.shape.numpy()) if value.shape is not None else weights.shape(name)
+    if weights.mxfp4(name, 0, 0) is not None:
+        return lazy.Mxfp4Stack(shape, lambda a, b: weights.read(name, a, b), lambda a, b: weights.mxfp4(name, a, b),
+                               name=name)
     return lazy.Lazy(np.float32, shape, lambda a, b: weights.read(name, a, b), name=name)
 
 

@@ -36,6 +36,9 @@ class Family:
     # the layers layer_types names, which its config class derives when config.json has none.
     windows: Literal["none", "every_layer", "layer_types"] = "none"
     gated_mlp: bool = True  # down(act(gate(x)) * up(x)); False: fc2(act(fc1(x))) (StarCoder2)
+    # quantization_config methods of checkpoints the family is released in, which llmc reads as
+    # they are (gpt-oss's MXFP4 experts); any other quantized checkpoint is refused.
+    released_quantization: tuple[str, ...] = ()
 
 
 FAMILIES = (
@@ -72,7 +75,7 @@ FAMILIES = (
     Family("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", "hunyuan_v1_moe"),
     Family("granitemoe", "GraniteMoeForCausalLM", "granitemoe"),
     Family("phimoe", "PhimoeForCausalLM", "phimoe", windows="every_layer"),
-    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", windows="layer_types"),
+    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", windows="layer_types", released_quantization=("mxfp4",)),
     Family("granite_swa", "GraniteSWAForCausalLM", "granite_swa", windows="layer_types"),
     Family("gemma", "GemmaForCausalLM", "gemma"),
     Family("cohere", "CohereForCausalLM", "cohere"),
@@ -168,8 +171,9 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     hidden = config["hidden_size"]
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    if isinstance(config.get("quantization_config"), dict):
-        method = config["quantization_config"].get("quant_method", "unnamed")
+    quantized = config.get("quantization_config")
+    if isinstance(quantized, dict) and quantized.get("quant_method") not in family.released_quantization:
+        method = quantized.get("quant_method", "unnamed")
         raise ModelError(f"config.json holds a quantized checkpoint (quantization_config, quant_method {method!r}); "
                          "llmc builds from fp32/bf16/fp16 weights and quantizes them itself: pass the unquantized "
                          "model and --quant int8 or int4")
@@ -378,6 +382,9 @@ def skeleton_model(folder: Path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+            # A released quantization (MXFP4 experts) is read from the checkpoint as it is
+            # (weights.KernelLayout); the module is the float model that the values mean.
+            config.quantization_config = None
             torch.nn.Module.register_parameter = on_meta
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                      attn_implementation=_attention_for(config))
@@ -429,6 +436,6 @@ def load_hf_model(folder: Path):
         # but tensors; the error's own advice (weights_only=False) would run the file's code.
         raise ModelError(f"the .bin weights in {folder} hold more than tensors (pickled objects that would run "
                          "code), so llmc will not load them; get the checkpoint as .safetensors") from None
-    except OSError as exc:
+    except (OSError, ImportError) as exc:  # ImportError: what transformers needs for the checkpoint's format
         raise ModelError(f"cannot load weights from {folder}: {first_line(exc)}") from None
     return model.eval()

@@ -6,6 +6,10 @@ pass asks for a tensor, and then with `pread` into a fresh array: the page cache
 not this process, so a build's resident memory is what its passes hold, not the checkpoint's size.
 A shard shorter than its header says (a truncated download) is refused when it is opened.
 
+An MXFP4 checkpoint (gpt-oss as released) stores each expert stack as `<stack>_blocks` (uint8
+[E, N, K / 32, 16]: two 4-bit codes a byte) and `<stack>_scales` (uint8 [E, N, K / 32]); they are
+read as the bytes they are, and `KernelLayout` presents the stack they make.
+
 A folder with PyTorch `.bin` weights only is read whole by transformers (`StateDictWeights`): those
 files are pickles that cannot be read a tensor at a time without loading them.
 """
@@ -26,6 +30,7 @@ from llmc.errors import ModelError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
+MXFP4_PARTS = ("_blocks", "_scales")  # the uint8 tensors of an MXFP4 stack, by their names' ends
 _MAX_HEADER = 100 << 20  # safetensors' own limit on a header's size
 READ_CHUNK = 16 << 20  # bytes read a time
 
@@ -52,8 +57,13 @@ class Weights:
         raise NotImplementedError
 
     def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows [start, stop) of tensor `name` (its first axis) as float32."""
+        """Rows [start, stop) of tensor `name` (its first axis) as float32 (an MXFP4 part: its bytes)."""
         raise NotImplementedError
+
+    def mxfp4(self, name: str, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """Experts [start, stop) of stack `name` as MXFP4 codes and scales where the checkpoint
+        stores it so (KernelLayout), else None."""
+        return None
 
 
 class SafetensorsWeights(Weights):
@@ -73,13 +83,22 @@ class SafetensorsWeights(Weights):
         return self.tensors[name].shape
 
     def parameter_count(self) -> int:
-        return sum(int(np.prod(t.shape, dtype=np.int64)) for t in self.tensors.values())
+        """Weights stored (an MXFP4 stack's: two a byte of its blocks, its scales none)."""
+        per_element = {MXFP4_PARTS[0]: 2, MXFP4_PARTS[1]: 0}
+        return sum(int(np.prod(t.shape, dtype=np.int64)) * (per_element.get(name[-7:], 1) if t.dtype == np.uint8 else 1)
+                   for name, t in self.tensors.items())
 
     def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         t = self.tensors[name]
         rows = t.shape[0] if t.shape else 1
         stop = rows if stop is None else stop
         row_bytes = t.nbytes // max(rows, 1)
+        if t.dtype == np.uint8:  # an MXFP4 part: its bytes
+            raw = np.empty((stop - start, *t.shape[1:]), np.uint8)
+            with open(t.path, "rb", buffering=0) as f:
+                f.seek(t.offset + start * row_bytes)
+                _read_into(f, memoryview(raw.reshape(-1)), t.path, name)
+            return raw
         values = np.empty((stop - start, *t.shape[1:]) if t.shape else (), np.float32)
         flat = values.reshape(-1)
         # Read and widened a chunk at a time: the only whole array is the float32 result.
@@ -177,10 +196,13 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
             dtype_name, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelError(f"{path.name}: the header entry of {name} is malformed ({exc}); download it again") from None
-        if dtype_name not in DTYPES:
+        if dtype_name == "U8" and name.endswith(MXFP4_PARTS):
+            dtype = np.dtype(np.uint8)
+        elif dtype_name not in DTYPES:
             raise ModelError(f"{path.name}: tensor {name} is {dtype_name}; llmc reads float32, float16 and bfloat16 "
                              "checkpoints (a pre-quantized checkpoint is not supported: use the original weights)")
-        dtype = DTYPES[dtype_name]
+        else:
+            dtype = DTYPES[dtype_name]
         if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
             raise ModelError(f"{path.name}: tensor {name}'s byte range does not match its shape {list(shape)}; "
                              "the file is damaged: download it again")
@@ -265,24 +287,35 @@ class ExpertStacks(Weights):
 
 class KernelLayout(Weights):
     """Stacked experts stored transposed or with gate and up interleaved (gpt-oss), read in the
-    layout of llmc's experts op (compiler/experts.py, to_kernel_layout); every other tensor as stored."""
+    layout of llmc's experts op (compiler/experts.py, to_kernel_layout); every other tensor as stored.
+    A stack stored in MXFP4 (its `_blocks` and `_scales`; rows are output features, whatever the
+    float stacks' transposition) is the stack they make: `read` dequantizes it, `mxfp4` gives its
+    codes and scales, rows in the op's order."""
 
     STACKS = ("gate_up_proj", "gate_up_proj_bias", "down_proj")
 
     def __init__(self, stored: Weights, transposed: bool, interleaved: bool):
         self.stored, self.transposed, self.interleaved = stored, transposed, interleaved
+        blocks, scales = MXFP4_PARTS
+        self.mxfp4_stacks = {name[:-len(blocks)] for name in stored.names()
+                             if name.endswith(blocks) and self._stack(name[:-len(blocks)]) and
+                             stored.has(name[:-len(blocks)] + scales)}
 
     def _stack(self, name: str) -> str | None:
         last = name.rsplit(".", 2)
         return last[-1] if len(last) == 3 and last[-2] == "experts" and last[-1] in self.STACKS else None
 
     def names(self) -> list[str]:
-        return self.stored.names()
+        parts = {stack + part for stack in self.mxfp4_stacks for part in MXFP4_PARTS}
+        return [n for n in self.stored.names() if n not in parts] + sorted(self.mxfp4_stacks)
 
     def has(self, name: str) -> bool:
-        return self.stored.has(name)
+        return name in self.mxfp4_stacks or self.stored.has(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.mxfp4_stacks:
+            experts, rows, blocks, _ = self.stored.shape(name + MXFP4_PARTS[0])
+            return experts, rows, 32 * blocks
         shape = self.stored.shape(name)
         return (shape[0], shape[2], shape[1]) if self.transposed and self._stack(name) in self.STACKS[::2] else shape
 
@@ -292,9 +325,23 @@ class KernelLayout(Weights):
     def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         from llmc.compiler.experts import to_kernel_layout
 
+        if name in self.mxfp4_stacks:
+            from llmc.plugins.cpu.quant import dequantize_mxfp4
+
+            return np.stack([dequantize_mxfp4(b, s) for b, s in zip(*self.mxfp4(name, start, stop))])
         w = self.stored.read(name, start, stop)
         stack = self._stack(name)
         return w if stack is None else to_kernel_layout(stack, w, self.transposed, self.interleaved)
+
+    def mxfp4(self, name: str, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+        from llmc.compiler.experts import to_kernel_layout
+
+        if name not in self.mxfp4_stacks:
+            return None
+        stack = self._stack(name)
+        # The rows of the codes are the stack's rows already: only gate and up are unwoven.
+        return tuple(to_kernel_layout(stack, self.stored.read(name + part, start, stop), False, self.interleaved)
+                     for part in MXFP4_PARTS)
 
 
 def with_expert_stacks(stored: Weights, model_type: str) -> Weights:

@@ -82,6 +82,18 @@ class Lazy(ir.LazyTensor):
             file.write(ir.tensor(np.ascontiguousarray(self.part(start, min(start + step, self.units)))).tobytes())
 
 
+class Mxfp4Stack(Lazy):
+    """Stacked experts a checkpoint stores in MXFP4 (gpt-oss as released): float32 values, the
+    codes' meaning, where a pass reads them; `codes(start, stop)` the experts' codes and scales as
+    stored (llmc.compiler.weights.Weights.mxfp4), which the packing keeps bit for bit."""
+
+    __slots__ = ("codes",)
+
+    def __init__(self, shape: Sequence[int], part: Part, codes: Callable[[int, int], tuple], *, name: str):
+        super().__init__(np.float32, shape, part, name=name)
+        self.codes = codes
+
+
 def of(tensor: ir.TensorProtocol) -> Lazy:
     """`tensor` as a Lazy one (an in-memory tensor is sliced where it lies)."""
     if isinstance(tensor, Lazy):

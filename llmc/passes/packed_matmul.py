@@ -192,6 +192,8 @@ class PackedExperts(Rule):
         return None
 
     def rewrite(self, op, m):
+        if all(isinstance(tensor(v), lazy.Mxfp4Stack) for v in (m.gate_up, m.down)):
+            return self._mxfp4(op, m)
         stacks = {}
         for value in (m.gate_up, m.down):
             w = tensor(value)
@@ -200,6 +202,24 @@ class PackedExperts(Rule):
                 np.float32, (experts, -(-n // cpu.PANEL), k, cpu.PANEL),
                 lambda a, b, w=w: cpu.pack_experts(w.rows(a, b))), f"{value.name}.packed")
         return op.like(m.experts, m.x, m.ids, m.weights, *stacks.values(), *m.experts.inputs[5:], packed=1)
+
+    @staticmethod
+    def _mxfp4(op, m):
+        """Stacks a checkpoint stores in MXFP4: each expert's codes and scales as they are, in the
+        panels the kernel reads (weight_format mxfp4)."""
+        blobs = []
+        for value in (m.gate_up, m.down):
+            w = tensor(value)
+            experts, n, k = w.dims
+            blobs.append(op.initializer(lazy.Lazy(
+                np.uint8, (experts, quant.mxfp4_bytes(k, n)),
+                lambda a, b, w=w: quant.pack_mxfp4_experts(*w.codes(a, b))), f"{value.name}.mxfp4"))
+        op.count(MXFP4_EXPERTS)
+        return op.like(m.experts, m.x, m.ids, m.weights, *blobs, *m.experts.inputs[5:], packed=1,
+                       weight_format=quant.WEIGHT_FORMATS["mxfp4"], block_size=quant.MXFP4_BLOCK, zero_points=0)
+
+
+MXFP4_EXPERTS = "packed_experts_mxfp4"  # counted beside packed_experts: the kernel's activations are quantized
 
 
 class QuantizedPackedExperts(Rule):
@@ -266,7 +286,8 @@ class PackedMatMuls(RulePass):
     def apply(self, model, spec):
         result = super().apply(model, spec)
         # The integer kernels also quantize the activations (per row and block, int8): lossy where they run.
-        self.lossy = bool(result.counts.get(QuantizedPackedMatMul.name) or result.counts.get(QuantizedPackedExperts.name))
+        self.lossy = bool(result.counts.get(QuantizedPackedMatMul.name) or result.counts.get(QuantizedPackedExperts.name)
+                          or result.counts.get(MXFP4_EXPERTS))
         return result
 
     def rules(self, spec: ModelSpec):
