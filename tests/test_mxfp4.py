@@ -219,21 +219,17 @@ def test_mxfp4_attributes_are_checked():
         sess.run(None, {"x": np.ones((1, 64), np.float32), "w": blob[:-1].copy()})
 
 
-FP4_MAGNITUDES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
-
-
-def _to_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[..., N, K] float weights -> MXFP4 as gpt-oss's checkpoints store them (blocks [..., N, K / 32,
-    16], scales [..., N, K / 32]): per 32 values a power-of-two scale that fits the largest in 6,
-    each value the nearest E2M1 code, two codes a byte (the even k in the low nibble)."""
-    blocks = w.reshape(*w.shape[:-1], -1, 32)
-    top = np.abs(blocks).max(-1, keepdims=True)
-    exponent = np.where(top > 0, np.ceil(np.log2(np.maximum(top, 1e-30) / 6)), 0).astype(np.int32)
-    scaled = blocks / np.exp2(exponent)
-    magnitude = np.abs(np.abs(scaled)[..., None] - FP4_MAGNITUDES).argmin(-1)
-    codes = (magnitude | ((scaled < 0) & (magnitude > 0)) << 3).astype(np.uint8)
-    packed = codes[..., 0::2] | codes[..., 1::2] << 4
-    return np.ascontiguousarray(packed), np.ascontiguousarray(exponent[..., 0] + 127, dtype=np.uint8)
+def test_quantize_keeps_mxfp4_values_and_rounds_to_the_nearest_code():
+    """quantize_mxfp4 (what makes the released format's checkpoints here) gives back any MXFP4
+    weight's values exactly, and rounds a float weight within half a code step of its block."""
+    rng = np.random.default_rng(3)
+    blocks, scales = _checkpoint(rng, 24, 96)
+    values = quant.dequantize_mxfp4(blocks, scales)
+    np.testing.assert_array_equal(quant.dequantize_mxfp4(*quant.quantize_mxfp4(values)), values)
+    w = rng.standard_normal((24, 96)).astype(np.float32)
+    back = quant.dequantize_mxfp4(*quant.quantize_mxfp4(w)).reshape(24, 3, 32)
+    step = np.exp2(quant.quantize_mxfp4(w)[1].astype(np.int32) - 127)[..., None]  # the widest gap, 2, times 2^e
+    assert (np.abs(back - w.reshape(24, 3, 32)) <= step + 1e-6).all()
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +249,7 @@ def mxfp4_gpt_oss(tmp_path_factory):
     tensors = load_file(folder / "model.safetensors")
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         # transformers' float stacks are [E, in, out]; MXFP4 rows are the output features
-        tensors[name + "_blocks"], tensors[name + "_scales"] = _to_mxfp4(tensors.pop(name).transpose(0, 2, 1))
+        tensors[name + "_blocks"], tensors[name + "_scales"] = quant.quantize_mxfp4(tensors.pop(name).transpose(0, 2, 1))
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [

@@ -196,6 +196,21 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
         return np.ldexp(FP4_VALUES[_codes(blocks)], exponent)
 
 
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Float weights [..., N, K] -> MXFP4 as gpt-oss's checkpoints store them (blocks [..., N, K / 32,
+    16], scales [..., N, K / 32]): per 32 values the power of two that brings the largest within 6,
+    each value the nearest E2M1 code (ties to the smaller magnitude), two codes a byte. For making
+    checkpoints in the released format (tests, benchmarks); llmc never requantizes one."""
+    blocks = w.reshape(*w.shape[:-1], -1, MXFP4_BLOCK)
+    top = np.abs(blocks).max(-1, keepdims=True)
+    exponent = np.where(top > 0, np.ceil(np.log2(np.maximum(top, 1e-30) / 6)), 0).astype(np.int32)
+    scaled = blocks / np.exp2(exponent)
+    magnitude = np.abs(np.abs(scaled)[..., None] - FP4_VALUES[:8]).argmin(-1)
+    codes = (magnitude | ((scaled < 0) & (magnitude > 0)) << 3).astype(np.uint8)
+    return (np.ascontiguousarray(codes[..., 0::2] | codes[..., 1::2] << 4),
+            np.ascontiguousarray(exponent[..., 0] + 127, dtype=np.uint8))
+
+
 def mxfp4_factors(scales: np.ndarray) -> np.ndarray:
     """The kernel's factor of each block, float32(2^(e - 127)) / 2 as float64 (the codes read as twice
     their value): 2^(e - 128), and +inf for e = 255, whose 2^128 overflows float32 (kernels.h)."""
