@@ -487,12 +487,14 @@ def experts_read(cfg: dict, batch: int = 1) -> float:
     return 1 - (1 - cfg["num_experts_per_tok"] / experts) ** batch
 
 
-PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # a checkpoint's per-expert tensor
+# A checkpoint's per-expert tensor, or a stack of every expert's (transformers 5's names, gpt-oss's
+# biases and MXFP4 parts), of which a step reads the chosen experts' rows.
+PER_EXPERT = re.compile(r"\.experts\.(\d+\.|(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$)")
 
 
 def _decode_step_reads(folder: Path, size, batch: int = 1) -> int:
     """What one decode step reads of the safetensors in `folder`, each tensor counted as size(bytes,
-    shape): every tensor, but an untied embedding only one row (a Gather reads one row a token)
+    shape, name): every tensor, but an untied embedding only one row (a Gather reads one row a token)
     and each expert's tensors the share of experts a row chooses (experts_read)."""
     cfg = json.loads((folder / "config.json").read_text())
     active = experts_read(cfg, batch)
@@ -503,7 +505,7 @@ def _decode_step_reads(folder: Path, size, batch: int = 1) -> int:
         for name, t in header.items():
             if name == "__metadata__":
                 continue
-            n = size(t["data_offsets"][1] - t["data_offsets"][0], t["shape"])
+            n = size(t["data_offsets"][1] - t["data_offsets"][0], t["shape"], name)
             total += n * active if PER_EXPERT.search(name) else n
             if name.endswith("embed_tokens.weight"):
                 embed, row = n, n // t["shape"][0]
@@ -514,12 +516,14 @@ def _decode_step_reads(folder: Path, size, batch: int = 1) -> int:
 
 def weight_bytes(folder: Path, batch: int = 1) -> int:
     """Bytes of weights one decode step of `batch` rows reads."""
-    return _decode_step_reads(folder, lambda nbytes, shape: nbytes, batch)
+    return _decode_step_reads(folder, lambda nbytes, shape, name: nbytes, batch)
 
 
 def parameter_count(folder: Path) -> int:
-    """Parameters one decode step reads, counted as weight_bytes counts bytes."""
-    return _decode_step_reads(folder, lambda nbytes, shape: math.prod(shape))
+    """Parameters one decode step reads, counted as weight_bytes counts bytes (an MXFP4 stack's: two
+    a byte of its blocks, none in its scales)."""
+    per_element = {"_blocks": 2, "_scales": 0}
+    return _decode_step_reads(folder, lambda nbytes, shape, name: math.prod(shape) * per_element.get(name[-7:], 1))
 
 
 def gguf_tensors(path: Path) -> dict[str, tuple[int, list[int]]]:
