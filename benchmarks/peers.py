@@ -677,6 +677,13 @@ def report(res: dict, args) -> str:
             if o:
                 out.append(f"     {name}: {o['weight_bytes'] / 1e6:.1f} MB weights ({o['how']}) + "
                            f"{o['kv_bytes'] / 1e6:.1f} MB {o['kv_dtype']} KV -> {o['tpot'] * 1e3:.2f} ms")
+    for name, r in rows.items():  # what the Experts kernel counted it read, beside what uniform routing predicts
+        if r.get("expert_bytes_b1") and r.get("experts_total_bytes"):
+            total, (share1, share8) = r["experts_total_bytes"], r["experts_share"]
+            out.append(f"  {name}: expert bytes read per decode step, counted by the kernel: batch 1 "
+                       f"{med(r['expert_bytes_b1']) / 1e6:.1f} MB, batch {args.batch} "
+                       f"{med(r.get('expert_bytes_b8') or [0]) / 1e6:.1f} MB, of {total / 1e6:.1f} MB of experts "
+                       f"(uniform routing would read {share1 * total / 1e6:.1f} MB and {share8 * total / 1e6:.1f} MB)")
     w = max(len("runtime"), *(len(n) for n in rows)) + 2
     head = (f"{'runtime':{w}s}{'same model?':16s}{'TTFT ms':>27s}{'TPOT ms':>27s}{'b8 tok/s':>27s}"
             f"{'%roofline':>10s}{'TTFT/best':>10s}{'TPOT/best':>10s}{'b8/best':>9s}"
@@ -912,11 +919,15 @@ def measure(args, folder: Path, peers: list[str], python: Path | None, converted
                             rows[name]["ttft"].append(m["ttft"])
                             rows[name]["tpot"].append(m["tpot"])
                             rows[name]["bw"].append(b)
+                            if m.get("expert_bytes"):
+                                rows[name].setdefault("expert_bytes_b1", []).append(m["expert_bytes"])
                             if "setup" in m:
                                 rows[name].setdefault("setup", []).append(m["setup"])
                         else:
                             m = workers[name].call("decode", prompts=prompts_b, steps=steps)
                             rows[name]["b8"].append(m["tok_s"])
+                            if m.get("expert_bytes"):
+                                rows[name].setdefault("expert_bytes_b8", []).append(m["expert_bytes"])
                     except RuntimeError as exc:
                         drop(name, exc)
             c1 = cpu_times(pids)
@@ -956,6 +967,12 @@ def measure(args, folder: Path, peers: list[str], python: Path | None, converted
         own["kv_bytes"] = per_elem * own["kv_dtype_bytes"] * mean_ctx
         own["tpot"] = own_token / bw_med
         r["own_roofline_share"] = [own_token / b / t for b, t in zip(r.get("bw", []), r["tpot"])]
+        if r.get("expert_bytes_b1"):  # the engine's experts, all of them: its stacks' bytes
+            from llmc.contract.engine_dir import open_engine
+
+            model = Path(files[name]) / open_engine(files[name]).manifest.payload.model
+            r["experts_total_bytes"] = onnx_weight_bytes(model, 1.0)[0] - onnx_weight_bytes(model, 0.0)[0]
+            r["experts_share"] = (experts_read(cfg), experts_read(cfg, args.batch))
     params = parameter_count(folder)
     ideal = {"bits_per_weight": 4.5, "parameters": params, "weight_bytes": params * 4.5 / 8,
              "kv_bytes": per_pos * mean_ctx}

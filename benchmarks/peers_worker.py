@@ -112,11 +112,18 @@ class LlmcBackend:
     def latency(self, prompt, n):
         # Metrics come from llmc.runtime.metrics: TTFT = first token - arrival (add_request),
         # TPOT = (E2E - TTFT) / (n - 1). The peers below time exactly the same span.
-        out = self.llm.generate(prompt, self._params(n))
+        llm = self.llm
+        out = llm.output(llm.add_request(prompt, self._params(n)))
+        while not out.token_ids:
+            llm.step()
+        read = _experts_bytes_read()
+        while llm.has_unfinished():
+            llm.step()
         assert len(out.token_ids) == n, (len(out.token_ids), n)
         m = out.metrics
         return {"ttft": m.ttft, "tpot": m.tpot, "tokens": [int(t) for t in out.token_ids],
-                "steps": m.decode_steps, "proposed": m.proposed_tokens, "accepted": m.accepted_tokens}
+                "steps": m.decode_steps, "proposed": m.proposed_tokens, "accepted": m.accepted_tokens,
+                "expert_bytes": (_experts_bytes_read() - read) / max(m.decode_steps, 1)}
 
     def decode(self, prompts, steps):
         llm = self.llm
@@ -124,13 +131,27 @@ class LlmcBackend:
         outs = [llm.output(i) for i in ids]
         while any(not o.token_ids for o in outs):  # prefills (chunked), untimed
             llm.step()
+        read = _experts_bytes_read()
         start = time.perf_counter()
         for _ in range(steps):  # every step decodes all len(prompts) sequences
             llm.step()
         seconds = time.perf_counter() - start
         assert all(len(o.token_ids) == steps + 1 for o in outs)
         assert not llm.has_unfinished()
-        return {"tok_s": len(prompts) * steps / seconds}
+        return {"tok_s": len(prompts) * steps / seconds, "expert_bytes": (_experts_bytes_read() - read) / steps}
+
+
+def _experts_bytes_read() -> int:
+    """The expert weight bytes llmc.cpu::Experts has read in this process (0 without the kernels)."""
+    import ctypes
+
+    from llmc.plugins import cpu
+
+    if cpu.library_path() is None:
+        return 0
+    counter = cpu.native(cpu.library_path()).llmc_experts_bytes_read
+    counter.restype = ctypes.c_uint64
+    return counter()
 
 
 # -- llama.cpp (llama-cpp-python, low-level C API) -------------------------------------------------

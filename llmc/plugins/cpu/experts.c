@@ -5,7 +5,27 @@
 #include "kernels.h"
 #include "simd.h"
 
+#include <stdatomic.h>
 #include <string.h>
+
+/* Bytes of expert weights (and biases) the op has read since the library loaded: each call adds
+ * its chosen experts' once. What a benchmark reads to count a MoE decode step's expert reads. */
+static _Atomic uint64_t bytes_read;
+
+LLMC_EXPORT uint64_t llmc_experts_bytes_read(void) { return atomic_load(&bytes_read); }
+
+/* One expert's weight (and bias) bytes in the call's format. */
+static int64_t expert_bytes(const llmc_experts *a) {
+    int64_t h = a->hidden, i = a->inter, bytes;
+    if (llmc_format_bits(a->format))
+        bytes = llmc_quant_bytes(h, 2 * i, a->format, a->block_size, a->zero_points) +
+                llmc_quant_bytes(i, h, a->format, a->block_size, a->zero_points);
+    else if (a->packed)
+        bytes = (llmc_experts_groups(2 * i) * h + llmc_experts_groups(h) * i) * LLMC_PANEL * (int64_t)sizeof(float);
+    else
+        bytes = 3 * h * i * (int64_t)sizeof(float);
+    return bytes + (a->gate_up_bias ? 2 * i * 4 : 0) + (a->down_bias ? h * 4 : 0);
+}
 
 const char *llmc_experts_plan(llmc_experts *a) {
     int64_t pairs = a->tokens * a->top_k;
@@ -30,6 +50,7 @@ const char *llmc_experts_plan(llmc_experts *a) {
         if (a->start[e + 1] > a->start[e])
             a->used[used++] = e;
     a->num_used = used;
+    atomic_fetch_add(&bytes_read, (uint64_t)(used * expert_bytes(a)));
     return NULL;
 }
 

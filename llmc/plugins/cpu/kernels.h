@@ -228,8 +228,10 @@ typedef struct {
     float *down_out;         /* [pairs, hidden] */
     llmc_qact up_rows, down_rows; /* quantized formats: rows and act, quantized */
 } llmc_experts;
-/* NULL, or what is wrong with the ids. */
+/* NULL, or what is wrong with the ids. Counts the chosen experts' bytes into llmc_experts_bytes_read. */
 const char *llmc_experts_plan(llmc_experts *a);
+/* Expert weight and bias bytes every call so far has read (each chosen expert once a call). */
+uint64_t llmc_experts_bytes_read(void);
 /* The column groups (32 wide) of an n-column product: the unit the up and down phases split. */
 int64_t llmc_experts_groups(int64_t n);
 void llmc_experts_up(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1);
