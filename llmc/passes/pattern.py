@@ -10,7 +10,8 @@ Parameters after `op` are variables: each binds one graph value, the same one wh
 (`op.weight(w)` where it must be a constant initializer).
 `op.<OpType>(*inputs, ...)` is a node pattern; its keyword options:
   _domain        the node's domain ("" also matches "ai.onnx")
-  _outputs       how many outputs it has (returns a tuple of them when > 1)
+  _outputs       how many outputs it has, at least (returns a tuple of them when > 1); a node
+                 with fewer does not match
   _name          bind the matched node under this name (`m.sigmoid`)
   _commute       a two-input node may match with its inputs swapped
   _other_inputs  the node may have more (trailing) inputs than the pattern lists
@@ -160,7 +161,8 @@ class Pattern:
             if b.nodes[p] is node:
                 yield b
             return
-        if not p.accepts(node) or any(bound is node for bound in b.nodes.values()):
+        if not p.accepts(node) or len(node.outputs) < p.num_outputs \
+                or any(bound is node for bound in b.nodes.values()):
             return
         inputs = list(node.inputs)
         while inputs and inputs[-1] is None:  # absent trailing optional inputs
