@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from llmc.errors import RequestError
-from llmc.runtime.sampling import _DRAW_BLOCK, Sampler, SamplingParams, _draw, _nucleus, make_rng
+from llmc.runtime.sampling import _DRAW_BLOCK, Draws, Sampler, SamplingParams, _draw, _nucleus
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_greedy_property():
 
 def test_greedy_is_argmax_with_lowest_index_on_ties():
     logits = np.array([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -3.0, -0.5]], dtype=np.float32)
-    out = Sampler().sample(logits, [SamplingParams()] * 3, [None] * 3)
+    out = Sampler().sample(logits, [SamplingParams()] * 3, [None] * 3, [0] * 3)
     assert out.dtype == np.int64 and out.shape == (3,)
     assert out.tolist() == [1, 0, 3]
 
@@ -81,8 +81,7 @@ def test_top_k_1_is_greedy_at_any_temperature(temperature):
     logits = _random_logits(16, 1000)
     logits[0, [10, 20]] = logits[0].max() + 1  # a tie: must resolve like argmax
     params = [SamplingParams(temperature=temperature, top_k=1)] * 16
-    rngs = [np.random.default_rng(i) for i in range(16)]
-    out = Sampler().sample(logits, params, rngs)
+    out = Sampler().sample(logits, params, [Draws(i) for i in range(16)], [0] * 16)
     assert out.tolist() == np.argmax(logits, axis=-1).tolist()
 
 
@@ -90,8 +89,7 @@ def test_top_k_1_is_greedy_at_any_temperature(temperature):
 def test_tiny_top_p_is_greedy(temperature):
     logits = _random_logits(16, 1000, seed=1)
     params = [SamplingParams(temperature=temperature, top_p=1e-9)] * 16
-    rngs = [np.random.default_rng(i) for i in range(16)]
-    out = Sampler().sample(logits, params, rngs)
+    out = Sampler().sample(logits, params, [Draws(i) for i in range(16)], [0] * 16)
     assert out.tolist() == np.argmax(logits, axis=-1).tolist()
 
 
@@ -101,26 +99,26 @@ def test_a_tiny_temperature_samples_the_peak_without_overflow(temperature):
     logits = _random_logits(8, 1000, seed=4)
     with np.errstate(over="raise", invalid="raise", divide="raise"):
         out = Sampler().sample(logits, [SamplingParams(temperature=temperature)] * 8,
-                               [np.random.default_rng(i) for i in range(8)])
+                               [Draws(i) for i in range(8)], [0] * 8)
     assert out.tolist() == np.argmax(logits, axis=-1).tolist()
 
 
 def test_top_k_only_samples_from_the_k_best():
     logits = _random_logits(1, 200, seed=2)
     best = set(np.argsort(-logits[0])[:5].tolist())
-    sampler, rng = Sampler(), np.random.default_rng(0)
+    sampler, draws = Sampler(), Draws(0)
     params = [SamplingParams(temperature=5.0, top_k=5)]
-    seen = {int(sampler.sample(logits, params, [rng])[0]) for _ in range(500)}
+    seen = {int(sampler.sample(logits, params, [draws], [p])[0]) for p in range(500)}
     assert seen == best
 
 
 def test_top_p_keeps_smallest_set_reaching_p():
     logits = np.log(np.array([[0.05, 0.5, 0.15, 0.3]], dtype=np.float32))
-    sampler, rng = Sampler(), np.random.default_rng(0)
+    sampler, draws = Sampler(), Draws(0)
 
     def support(top_p: float) -> set[int]:
         params = [SamplingParams(temperature=1.0, top_p=top_p)]
-        return {int(sampler.sample(logits, params, [rng])[0]) for _ in range(400)}
+        return {int(sampler.sample(logits, params, [draws], [p])[0]) for p in range(400)}
 
     assert support(0.45) == {1}
     assert support(0.79) == {1, 3}
@@ -166,9 +164,9 @@ def test_temperature_sampling_frequencies_match_softmax(dtype):
     rows, steps = 2000, 10
     logits = np.tile(base.astype(dtype), (rows, 1))
     params = [SamplingParams(temperature=temperature)] * rows
-    rngs = [np.random.default_rng(1000 + i) for i in range(rows)]
+    keyed = [Draws(1000 + i) for i in range(rows)]
     sampler = Sampler()
-    draws = np.concatenate([sampler.sample(logits, params, rngs) for _ in range(steps)])
+    draws = np.concatenate([sampler.sample(logits, params, keyed, [s] * rows) for s in range(steps)])
 
     counts = np.bincount(draws, minlength=4)
     n = rows * steps
@@ -182,18 +180,18 @@ def test_same_seed_same_tokens_whatever_the_batch():
     mine = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
     sampler = Sampler()
 
-    rng = make_rng(mine)
-    alone = [int(sampler.sample(step, [mine], [rng])[0]) for step in logits]
+    alone = [int(sampler.sample(step, [mine], [Draws.of(mine)], [40 + s])[0]) for s, step in enumerate(logits)]
 
     others = [SamplingParams(), SamplingParams(temperature=1.3, seed=7), SamplingParams(temperature=0.5, top_p=0.5)]
-    batch_rngs = [make_rng(p) for p in others] + [make_rng(mine)]
+    batch_draws = [Draws.of(p) for p in others] + [Draws.of(mine)]
     batched = []
     for s, step in enumerate(logits):
         noise = _random_logits(3, vocab, seed=s)
         batch = np.concatenate([noise, step])
         # Shuffle the row order each step too: position in the batch must not matter.
         perm = np.random.default_rng(s).permutation(4)
-        out = sampler.sample(batch[perm], [(others + [mine])[i] for i in perm], [batch_rngs[i] for i in perm])
+        out = sampler.sample(batch[perm], [(others + [mine])[i] for i in perm], [batch_draws[i] for i in perm],
+                             [[3, 9, 27, 40 + s][i] for i in perm])
         batched.append(int(out[list(perm).index(3)]))
 
     assert batched == alone
@@ -209,43 +207,44 @@ def test_same_seed_same_tokens_whatever_the_batch():
         SamplingParams(temperature=0.7, top_k=1),
     ],
 )
-def test_exactly_one_draw_per_sampled_row(params):
-    rng, twin = np.random.default_rng(5), np.random.default_rng(5)
-    Sampler().sample(_random_logits(1, 100), [params], [rng])
-    twin.random()
-    assert rng.random() == twin.random()
+def test_a_rows_token_depends_on_its_seed_and_position_only(params):
+    """The same seed at the same position gives the same token whatever was drawn before (the
+    numbers are keyed, not a stream); another position or seed draws anew."""
+    logits, sampler = _random_logits(1, 100), Sampler()
+    params = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=5)
+    draws = Draws.of(params)
+    first = [int(sampler.sample(logits, [params], [draws], [p])[0]) for p in range(200)]
+    again = [int(sampler.sample(logits, [params], [draws], [p])[0]) for p in reversed(range(200))][::-1]
+    assert first == again
+    other = Draws(6)
+    assert [int(sampler.sample(logits, [params], [other], [p])[0]) for p in range(200)] != first or params.top_k == 1
 
 
-def test_greedy_row_does_not_touch_its_rng():
-    rng, twin = np.random.default_rng(5), np.random.default_rng(5)
-    Sampler().sample(_random_logits(1, 100), [SamplingParams(seed=5)], [rng])
-    assert rng.random() == twin.random()
+def test_draws_are_keyed_by_seed_and_position():
+    assert [Draws(42).at(p) for p in range(5)] == [Draws(42).at(p) for p in range(5)]
+    values = [Draws(42).at(p) for p in range(2000)] + [Draws(43).at(p) for p in range(2000)]
+    assert len(set(values)) == len(values) and all(0.0 <= v < 1.0 for v in values)
+    assert abs(np.mean(values) - 0.5) < 0.02 and abs(np.var(values) - 1 / 12) < 0.005  # uniform
+    assert Draws().at(0) != Draws().at(0)  # unseeded: a random key each
 
 
 def test_masked_logits_are_never_sampled():
     logits = np.full((1, 10), -np.inf, dtype=np.float32)
     logits[0, [2, 7]] = [0.0, 0.5]
-    sampler, rng = Sampler(), np.random.default_rng(0)
-    seen = {int(sampler.sample(logits, [SamplingParams(temperature=1.0)], [rng])[0]) for _ in range(200)}
+    sampler, draws = Sampler(), Draws(0)
+    seen = {int(sampler.sample(logits, [SamplingParams(temperature=1.0)], [draws], [p])[0]) for p in range(200)}
     assert seen == {2, 7}
 
 
-def test_make_rng():
-    a = make_rng(SamplingParams(seed=42)).random(3)
-    b = make_rng(SamplingParams(seed=42)).random(3)
-    assert a.tolist() == b.tolist()
-    assert isinstance(make_rng(SamplingParams()), np.random.Generator)
-
-
-def test_unseeded_sampled_row_without_rng_still_samples():
-    out = Sampler().sample(_random_logits(2, 50), [SamplingParams(temperature=1.0)] * 2, [None, None])
+def test_unseeded_sampled_row_without_draws_still_samples():
+    out = Sampler().sample(_random_logits(2, 50), [SamplingParams(temperature=1.0)] * 2, [None, None], [0, 0])
     assert all(0 <= t < 50 for t in out.tolist())
     assert not math.isnan(float(out.sum()))
 
 
 def test_mismatched_lengths_rejected():
     with pytest.raises(ValueError):
-        Sampler().sample(_random_logits(2, 10), [SamplingParams()], [None])
+        Sampler().sample(_random_logits(2, 10), [SamplingParams()], [None], [0])
 
 
 def test_runtime_modules_stay_lean():

@@ -162,6 +162,17 @@ def test_n_choices_with_a_seed_are_distinct_and_repeatable(server):
     assert len(set(texts)) > 1 and a.usage.completion_tokens == 36
 
 
+def test_a_seeded_completion_through_the_server_is_the_in_process_one(server, local):
+    """Sampling draws are keyed by seed and position: the server's batching with other requests,
+    and its own process, change no token of a seeded request."""
+    client = _client(server)
+    kw = dict(model="code", prompt="def parse(line):\n", max_tokens=24, temperature=0.8, top_p=0.95, seed=11)
+    texts = [client.completions.create(**kw).choices[0].text for _ in range(2)]
+    ids = local.tokenizer.encode(kw["prompt"]).ids
+    here = local.generate(ids, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=11))
+    assert texts == [here.text] * 2
+
+
 def test_chat_uses_the_template_streamed_and_not(server, local):
     client = _client(server)
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "a loop"}]

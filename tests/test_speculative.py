@@ -13,7 +13,7 @@ from llmc.runtime.engine import Row
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.llm import LLM
 from llmc.runtime.request import Request
-from llmc.runtime.sampling import SamplingParams, distribution, sample_from, verify
+from llmc.runtime.sampling import Draws, Sampler, SamplingParams, distribution, sample_from, verify
 from llmc.runtime.speculative import EPOCH, PROBE_STEPS, NgramProposer, Speculator, _Bucket
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=48, chunk_size=16)
@@ -112,7 +112,7 @@ def test_greedy_speculation_in_flight_matches_plain_decoding(code_engines, narro
         assert blocks.num_free == blocks.capacity
 
 
-def test_a_narrow_draft_proposes_only_its_tokens_with_q_over_the_whole_vocabulary(code_engines, narrow_draft):
+def test_a_narrow_draft_proposes_only_its_tokens_and_sampling_stays_plain_decodings(code_engines, narrow_draft):
     from llmc.contract.engine_dir import open_engine
 
     target, _ = code_engines
@@ -121,24 +121,21 @@ def test_a_narrow_draft_proposes_only_its_tokens_with_q_over_the_whole_vocabular
     llm = LLM(target, speculative=str(narrow_draft), speculative_adaptive=False, draft_prompt_lookup=False)
     proposer = llm.speculator.proposer
     assert proposer.engine.forward_rows([Row([5], 0, [1])]).shape == (1, 512)
-    proposed, widths = [], []
+    proposed = []
     propose = proposer.propose
 
     def spy(rows, ks):
         caught_up = propose(rows, ks)
         for r in rows:
             proposed.extend(r.proposal)
-            if r.proposal_probs is not None:
-                widths.append(r.proposal_probs.shape[1])
-                assert np.all(r.proposal_probs[:, np.setdiff1d(np.arange(r.proposal_probs.shape[1]), kept)] == 0)
-                assert np.allclose(r.proposal_probs.sum(axis=1), 1.0)
         return caught_up
     proposer.propose = spy
     params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
     first = llm.generate("def main():\n", params)
     assert first.token_ids == llm.generate("def main():\n", params).token_ids and len(first.token_ids) == 30
+    assert first.token_ids == LLM(target).generate("def main():\n", params).token_ids  # plain decoding's
     assert proposed and set(proposed) <= set(kept)
-    assert widths and set(widths) == {llm.engine.spec.vocab_size}  # q over the target's whole vocabulary
+    assert first.metrics.accepted_tokens > 0
 
 
 def test_a_draft_head_keeps_the_most_frequent_tokens_in_id_order():
@@ -181,15 +178,21 @@ def test_stream_emits_each_accepted_token_as_its_own_delta(code_engines):
     assert len(pieces) > out.metrics.decode_steps + 1  # more deltas than steps: one per token
 
 
-def test_seeded_sampling_with_speculation_runs_and_repeats(code_engines):
+def test_seeded_sampling_is_plain_decodings_with_any_speculation(code_engines):
+    """A seeded sampled request gives the same tokens run after run, and the same as without
+    speculation, whichever proposer and however adaptive speculation cuts the steps."""
     target, draft = code_engines
-    params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    plain = LLM(target).generate("def main():\n", params).token_ids
+    assert len(plain) == 40
     for spec in ("ngram", str(draft)):
-        llm = LLM(target, speculative=spec, speculative_adaptive=False)
-        first = llm.generate("def main():\n", params)
-        again = llm.generate("def main():\n", params)
-        assert first.token_ids == again.token_ids and len(first.token_ids) == 30
-        assert first.metrics.proposed_tokens > 0
+        for adaptive in (False, True):
+            llm = LLM(target, speculative=spec, speculative_adaptive=adaptive)
+            first = llm.generate("def main():\n", params)
+            assert first.token_ids == plain, (spec, adaptive)
+            assert llm.generate("def main():\n", params).token_ids == plain
+            if not adaptive:
+                assert first.metrics.proposed_tokens > 0 and first.metrics.accepted_tokens > 0
 
 
 # -- the acceptance rule keeps the target's distribution -------------------------------------
@@ -205,22 +208,27 @@ def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
 
 def _first_token_counts(rule, proposal_probs: np.ndarray | None, trials: int = 12000,
                         params: SamplingParams = SamplingParams(temperature=1.0)) -> tuple[np.ndarray, np.ndarray]:
-    """Counts of the first kept token over many verifications of fresh proposals, and the
-    target's distribution they must follow."""
+    """Counts of the first kept token over many verifications of fresh proposals (each trial its
+    own seed), and the target's distribution they must follow."""
     rng = np.random.default_rng(1)
     logits = np.log(np.array([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04], [0.1, 0.1, 0.2, 0.2, 0.2, 0.2],
                               [0.3, 0.3, 0.1, 0.1, 0.1, 0.1]]))
     counts = np.zeros(VOCAB)
-    for _ in range(trials):
+    for trial in range(trials):
+        draws = Draws(trial)
         if proposal_probs is None:  # a certain proposal, as prompt lookup makes: always the same tokens
-            proposed, q = [4, 1], None
-        else:
-            proposed, q = [sample_from(proposal_probs[j], rng) for j in range(2)], proposal_probs
-        counts[rule(logits, proposed, q, params, rng)[0]] += 1
+            proposed = [4, 1]
+        else:  # a draft's, sampled with the numbers the target samples its positions with
+            proposed = [sample_from(proposal_probs[j], draws.at(j)) for j in range(2)]
+        counts[rule(logits, proposed, params, draws, 0, q=proposal_probs, rng=rng)[0]] += 1
     return counts, distribution(logits[0], params)
 
 
-def _wrong_rule(logits, proposed, q, params, rng):
+def _verify(logits, proposed, params, draws, position, q, rng):
+    return verify(logits, proposed, params, draws, position)
+
+
+def _wrong_rule(logits, proposed, params, draws, position, q, rng):
     """Accepts with min(1, p/q) but resamples a rejection from p itself instead of max(0, p - q)."""
     kept = []
     for j, x in enumerate(proposed):
@@ -229,8 +237,8 @@ def _wrong_rule(logits, proposed, q, params, rng):
         if rng.random() * qx < p[x]:
             kept.append(x)
             continue
-        return kept + [sample_from(p, rng)]
-    return kept + [sample_from(distribution(logits[len(kept)], params), rng)]
+        return kept + [sample_from(p, rng.random())]
+    return kept + [sample_from(distribution(logits[len(kept)], params), rng.random())]
 
 
 DRAFT_Q = np.array([[0.05, 0.05, 0.1, 0.1, 0.5, 0.2], [0.2, 0.5, 0.1, 0.1, 0.05, 0.05]])
@@ -241,9 +249,30 @@ QS = pytest.mark.parametrize("q", [None, DRAFT_Q, NARROW_Q],
 
 
 @QS
-def test_rejection_sampling_keeps_the_target_distribution(q):
-    counts, p = _first_token_counts(verify, q)
+def test_verification_keeps_the_target_distribution(q):
+    counts, p = _first_token_counts(_verify, q)
     assert _chi2(counts, p) < CHI2_999[VOCAB - 1]
+
+
+def test_verification_gives_plain_samplings_tokens_and_keeps_a_coupled_drafts_often():
+    """Each verified position gets the token plain sampling gives it with the same number, whatever
+    was proposed; a draft that samples with those numbers from a distribution near the target's is
+    kept at most positions."""
+    rng = np.random.default_rng(2)
+    params = SamplingParams(temperature=1.0)
+    kept_draft = 0
+    for trial in range(300):
+        logits = rng.normal(0, 2, (4, 50))
+        draws = Draws(trial)
+        plain = [int(Sampler().sample(row[None], [params], [draws], [10 + j])[0]) for j, row in enumerate(logits)]
+        for proposed in ([int(t) for t in rng.integers(0, 50, 3)], plain[:3]):
+            out = verify(logits, proposed, params, draws, 10)
+            assert out == plain[:len(out)]
+            assert len(out) == next((j for j, x in enumerate(proposed) if x != plain[j]), 3) + 1
+        near = logits + rng.normal(0, 0.1, logits.shape)  # a draft close to the target
+        drafted = [sample_from(distribution(near[j], params), draws.at(10 + j)) for j in range(3)]
+        kept_draft += len(verify(logits, drafted, params, draws, 10)) - 1
+    assert kept_draft / (300 * 3) > 0.7
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_k=4), SamplingParams(temperature=1.0, top_p=0.8),
@@ -251,7 +280,7 @@ def test_rejection_sampling_keeps_the_target_distribution(q):
 def test_certain_proposals_keep_the_filtered_distribution(params):
     """Prompt lookup's proposals against top-k and top-p rows (the sparse path of verify): the
     proposal 4 falls outside the kept tokens in some of these, where it must never be accepted."""
-    counts, p = _first_token_counts(verify, None, params=params)
+    counts, p = _first_token_counts(_verify, None, params=params)
     assert counts[p == 0].sum() == 0
     assert _chi2(counts[p > 0], p[p > 0]) < CHI2_999[int((p > 0).sum()) - 1]
 
@@ -263,12 +292,11 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(q):
 
 
 def test_bonus_token_follows_the_last_distribution_when_all_are_accepted():
-    rng = np.random.default_rng(3)
     logits = np.log(np.array([[1e-9] * 5 + [1.0], [0.3, 0.2, 0.2, 0.1, 0.1, 0.1]]))
     params = SamplingParams(temperature=1.0)
     counts = np.zeros(VOCAB)
-    for _ in range(6000):
-        kept = verify(logits, [5], None, params, rng)
+    for trial in range(6000):
+        kept = verify(logits, [5], params, Draws(trial), 0)
         assert kept[0] == 5 and len(kept) == 2
         counts[kept[1]] += 1
     assert _chi2(counts, distribution(logits[1], params)) < CHI2_999[VOCAB - 1]
@@ -276,13 +304,12 @@ def test_bonus_token_follows_the_last_distribution_when_all_are_accepted():
 
 def test_greedy_verification_keeps_the_argmax_prefix():
     logits = np.eye(VOCAB)[[2, 3, 1, 0]] * 5.0  # argmaxes 2, 3, 1, 0
-    greedy = SamplingParams()
-    rng = np.random.default_rng(0)
-    assert verify(logits, [2, 3, 1], None, greedy, rng) == [2, 3, 1, 0]  # all kept, then the bonus
-    assert verify(logits, [2, 4, 1], None, greedy, rng) == [2, 3]  # corrected at the first miss
-    assert verify(logits[:1], [], None, greedy, rng) == [2]
+    greedy, draws = SamplingParams(), Draws(0)
+    assert verify(logits, [2, 3, 1], greedy, draws, 0) == [2, 3, 1, 0]  # all kept, then the bonus
+    assert verify(logits, [2, 4, 1], greedy, draws, 0) == [2, 3]  # corrected at the first miss
+    assert verify(logits[:1], [], greedy, draws, 0) == [2]
     # The graph's argmax (Engine.greedy_tokens), where given, is what the proposals are held to.
-    assert verify(logits, [2, 3, 1], None, greedy, rng, np.array([2, 3, 4, 0])) == [2, 3, 4]
+    assert verify(logits, [2, 3, 1], greedy, draws, 0, np.array([2, 3, 4, 0])) == [2, 3, 4]
 
 
 # -- pieces ----------------------------------------------------------------------------------
@@ -290,7 +317,7 @@ def test_greedy_verification_keeps_the_argmax_prefix():
 class _Seq:
     def __init__(self, ids):
         self.request_id, self.token_ids = "r", list(ids)
-        self.proposal, self.proposal_probs = [], None
+        self.proposal = []
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match():
@@ -512,11 +539,11 @@ def test_a_drafts_catch_up_is_left_out_of_its_own_step_only():
         def propose(self, rows, ks):
             time.sleep(0.02)
             for r in rows:
-                r.proposal, r.proposal_probs = [], None
+                r.proposal = []
             return 0.02
 
     spec = Speculator(CatchingUp(), 4)
-    row = SimpleNamespace(request_id="a", proposal=[], proposal_probs=None, params=SamplingParams())
+    row = SimpleNamespace(request_id="a", proposal=[], params=SamplingParams())
     steps = []  # (the step's cap, its recorded seconds)
     for _ in range(40):
         spec.propose([row], lambda r: 100)
@@ -538,17 +565,17 @@ def test_sampled_rows_choose_their_cap_on_their_own_measurements():
     class Proposing:
         def propose(self, rows, ks):
             for r, k in zip(rows, ks):
-                r.proposal, r.proposal_probs = [0] * k, None
+                r.proposal = [0] * k
             return 0.0
 
     spec = Speculator(Proposing(), 4)
-    greedy = SimpleNamespace(request_id="g", proposal=[], proposal_probs=None, params=SamplingParams())
+    greedy = SimpleNamespace(request_id="g", proposal=[], params=SamplingParams())
     for _ in range(3 * PROBE_STEPS + EPOCH):  # every proposal kept: k is by far the best
         spec.propose([greedy], lambda r: 100)
         spec.verified(greedy, len(greedy.proposal), len(greedy.proposal))
         spec.step_done(1 + len(greedy.proposal))
     assert spec._buckets[False, 1].best() == 4
-    sampled = SimpleNamespace(request_id="s", proposal=[], proposal_probs=None,
+    sampled = SimpleNamespace(request_id="s", proposal=[],
                               params=SamplingParams(temperature=1.0))
     spec.propose([sampled], lambda r: 100)  # measured from the start: one token, not the greedy steps' 4
     assert len(sampled.proposal) == 1 and not spec._buckets[True, 1].seconds
@@ -637,14 +664,14 @@ def test_where_plain_decoding_is_best_the_speculator_only_times_the_steps(monkey
     class Missing:
         def propose(self, rows, ks):
             for r, k in zip(rows, ks):
-                r.proposal, r.proposal_probs = [0] * k, None
+                r.proposal = [0] * k
             return 0.0
 
         def release(self, r):
             pass
 
     spec = Speculator(Missing(), 4)
-    row = SimpleNamespace(request_id="a", proposal=[], proposal_probs=None, params=SamplingParams())
+    row = SimpleNamespace(request_id="a", proposal=[], params=SamplingParams())
     steps, bookkept = 3000, 0
     for i in range(steps):
         if i % 100 == 0:  # a new request every 100 steps: its estimate starts hopeful

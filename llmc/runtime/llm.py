@@ -162,7 +162,7 @@ class LLM:
         decoding, prefilling = [], bool(self.scheduler.waiting)
         for r in self.scheduler.running:
             if r.proposal:  # one left from a step that did not schedule the request
-                r.proposal, r.proposal_probs = [], None
+                r.proposal = []
             pending = r.num_pending_tokens
             if pending == 1:
                 if r.out.token_ids:
@@ -331,8 +331,8 @@ class LLM:
         return self._sample([rows[i][0] for i in done], picked)
 
     def _sample(self, requests: list[Request], logits: np.ndarray) -> list[Request]:
-        tokens = self.sampler.sample(logits, [r.params for r in requests], [r.rng for r in requests],
-                                     self.engine.greedy_tokens(logits))
+        tokens = self.sampler.sample(logits, [r.params for r in requests], [r.draws for r in requests],
+                                     [len(r.token_ids) for r in requests], self.engine.greedy_tokens(logits))
         now = time.perf_counter()
         for i, (r, token) in enumerate(zip(requests, tokens)):
             if r.out.token_ids:
@@ -375,8 +375,8 @@ class LLM:
     def _keep_verified(self, r: Request, logits: np.ndarray, greedy: np.ndarray | None) -> None:
         """Append what the target keeps of a row's proposal and roll its cache back to that."""
         proposed = r.proposal
-        tokens = verify(logits, proposed, r.proposal_probs, r.params, r.rng, greedy)
-        r.proposal, r.proposal_probs = [], None
+        tokens = verify(logits, proposed, r.params, r.draws, len(r.token_ids), greedy)
+        r.proposal = []
         kept = len(tokens) - 1
         metrics = r.out.metrics
         metrics.decode_steps += 1

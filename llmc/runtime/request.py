@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from llmc.runtime.detokenize import IncrementalDetokenizer, find_stop, stop_holdback
 from llmc.runtime.metrics import RequestTimes
-from llmc.runtime.sampling import SamplingParams, make_rng
+from llmc.runtime.sampling import Draws, SamplingParams
 
 
 class Status(enum.Enum):
@@ -57,14 +57,13 @@ class Request:
         self.num_hashed_blocks = 0
         self.cache_salt: int | None = None  # see llmc.runtime.kv_cache.chain_hash
         self.status = Status.WAITING
-        self.rng = make_rng(params)
+        self.draws = Draws.of(params)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         self.out = RequestOutput(request_id, prompt, list(prompt_ids),
                                  metrics=RequestTimes(arrival=time.perf_counter() if arrival is None else arrival),
                                  logprobs=None if params.logprobs is None else [])
         self.proposal: list[int] = []  # speculative tokens to verify after the pending one (not in token_ids)
-        self.proposal_probs = None  # their proposer's distributions [k, V]; None: each was certain
         self._emitted = 0  # characters of text already streamed
         self._token_ends: deque[int] = deque()  # len(out.text) after each token not yet streamed
         self._admitted = False

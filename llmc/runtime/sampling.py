@@ -1,14 +1,18 @@
 """Sampling parameters and a batched numpy sampler.
 
-Each request owns its own `np.random.Generator` and the sampler draws exactly one number from
-it per sampled row per step, so a seeded request produces the same tokens whatever else shares
-its batch.
+A request's random numbers are keyed, not streamed: the token at sequence position p is decided by
+`Draws.at(p)`, a function of the request's seed and p alone. So a seeded request produces the same
+tokens whatever else shares its batch, however its steps were cut (chunks, preemption), and with or
+without speculation: `verify` samples each verified position with the number plain decoding would
+use there and keeps a proposal only where it is that token, and a draft samples its proposals with
+the same numbers, so it proposes what the target will keep as often as their distributions allow.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +20,7 @@ import numpy as np
 
 from llmc.errors import RequestError
 
-__all__ = ["SamplingParams", "Sampler", "TokenLogprob", "distribution", "make_rng", "sample_from", "token_logprob",
+__all__ = ["Draws", "SamplingParams", "Sampler", "TokenLogprob", "distribution", "sample_from", "token_logprob",
            "verify"]
 
 
@@ -132,9 +136,34 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(logp[token]), tuple((int(i), float(logp[i])) for i in best))
 
 
-def make_rng(params: SamplingParams) -> np.random.Generator:
-    """The per-request generator: seeded for reproducible requests, fresh OS entropy otherwise."""
-    return np.random.default_rng(params.seed)
+_MASK = (1 << 64) - 1
+
+
+def _mix(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers whose every output bit depends on
+    every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+class Draws:
+    """A request's uniform numbers in [0, 1), one per sequence position, each a function of the
+    seed and the position only (SplitMix64 over seed and position): nothing a step does, or what
+    it drew before, changes the number at a position. An unseeded request gets a random seed."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, seed: int | None = None):
+        self.key = _mix(secrets.randbits(64) if seed is None else int(seed) & _MASK)
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> "Draws":
+        return cls(params.seed)
+
+    def at(self, position: int) -> float:
+        z = _mix((self.key + (position + 1) * 0x9E3779B97F4A7C15) & _MASK)
+        return (z >> 11) * 2.0 ** -53
 
 
 # Nucleus search starts from this many top tokens and doubles; a full vocabulary sort per row is
@@ -188,7 +217,7 @@ def _support(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -
     np.exp(probs, out=probs)
     if top_p < 1.0:
         probs /= probs.sum(dtype=np.float64)
-        keep = _nucleus(probs, top_p)
+        keep = np.sort(_nucleus(probs, top_p))  # ids ascending, as every support is: a draw's order
         ids = keep if ids is None else ids[keep]
         probs = probs[keep]
     return ids, probs
@@ -215,9 +244,9 @@ def _draw(ids: np.ndarray | None, probs: np.ndarray, u: float) -> int:
     return int(pos if ids is None else ids[pos])
 
 
-def _sample_row(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token from a row's logits at its temperature, after top-k then top-p filtering."""
-    u = rng.random()  # drawn first and unconditionally: exactly one draw per row per step
+def _sample_row(logits: np.ndarray, params: SamplingParams, u: float) -> int:
+    """The token at u of a row's logits at its temperature, after top-k then top-p filtering (the
+    tokens in ascending id order, so a draft's distribution over the same ids draws alike)."""
     return _draw(*_support(logits, params.temperature, params.top_k, params.top_p), u)
 
 
@@ -229,21 +258,24 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return dense / dense.sum()
 
 
-def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
-    return _draw(None, probs, rng.random())
+def sample_from(probs: np.ndarray, u: float) -> int:
+    """The token at u of a dense distribution [V] (ids ascending)."""
+    return _draw(None, probs, u)
 
 
-def verify(logits: np.ndarray, proposed: Sequence[int], proposal_probs: np.ndarray | None,
-           params: SamplingParams, rng: np.random.Generator, greedy: np.ndarray | None = None) -> list[int]:
+def verify(logits: np.ndarray, proposed: Sequence[int], params: SamplingParams, draws: Draws, position: int,
+           greedy: np.ndarray | None = None) -> list[int]:
     """The tokens a row keeps from a verification step: the accepted prefix of `proposed`, then one
     token of the target's own (the correction at the first rejection, or a bonus when all pass).
 
-    logits [k+1, V]: the target's logits after the row's last token and after each proposal.
-    Greedy rows accept while a proposal is the target's argmax, so the output is the one plain
-    decoding gives. Sampled rows accept proposal x with probability min(1, p(x)/q(x)) and on a
-    rejection draw from max(0, p - q) renormalized, which leaves the output distributed exactly
-    as the target's p (Leviathan et al., 2023). `proposal_probs` [k, V] is the proposer's q per
-    position; None means each proposal was certain (q = 1 at x: n-gram lookup, greedy drafts).
+    logits [k+1, V]: the target's logits after the row's last token and after each proposal, whose
+    tokens go at sequence positions `position`, `position` + 1, ... Greedy rows accept while a
+    proposal is the target's argmax; sampled rows sample each position with the number plain
+    decoding would use there (`draws.at`) and accept while a proposal is that token. Either way the
+    output is plain decoding's, token for token, whatever was proposed: proposals only decide how
+    many positions one step settles. (For a sampled row this couples the draft's draws to the
+    target's instead of Leviathan et al.'s rejection rule: the same distribution, no dependence on
+    how steps were cut, and acceptance where the two distributions' cumulative sums agree.)
     `greedy` [k+1]: each logits row's argmax where the graph took it (Engine.greedy_tokens)."""
     if params.greedy:
         target = np.argmax(logits, axis=-1) if greedy is None else greedy
@@ -253,63 +285,35 @@ def verify(logits: np.ndarray, proposed: Sequence[int], proposal_probs: np.ndarr
                 break
             kept.append(int(x))
         return kept + [int(target[len(kept)])]
-    if proposal_probs is None:
-        return _verify_certain(logits, proposed, params, rng)
     kept = []
-    for j, x in enumerate(proposed):
-        p, q = distribution(logits[j], params), proposal_probs[j]
-        if rng.random() * q[x] < p[x]:  # u < p(x)/q(x), without dividing by a zero q(x)
-            kept.append(int(x))
-            continue
-        residual = np.maximum(p - q, 0.0)
-        if residual.sum() <= 0.0:  # p == q exactly: any draw from p is right
-            residual = p
-        return kept + [sample_from(residual / residual.sum(), rng)]
-    return kept + [sample_from(distribution(logits[len(kept)], params), rng)]
-
-
-def _verify_certain(logits: np.ndarray, proposed: Sequence[int], params: SamplingParams,
-                    rng: np.random.Generator) -> list[int]:
-    """`verify` of a sampled row whose proposals were certain (q = 1 at x): accept x with
-    probability p(x), else draw from p without x: the rule for q, and as many draws from `rng`,
-    on the sampler's own (possibly filtered) rows instead of dense float64 copies of the vocabulary."""
-    kept = []
-    for j, x in enumerate(proposed):
-        u = rng.random()
-        ids, probs = _support(logits[j], params.temperature, params.top_k, params.top_p)
-        at = x if ids is None else next(iter(np.flatnonzero(ids == x)), None)
-        if at is not None and u * float(probs.sum(dtype=np.float64)) < probs[at]:
-            kept.append(int(x))
-            continue
-        if at is not None:
-            probs[at] = 0.0  # _support's arrays are its own
-            if not probs.any():  # p was all on x (round-off let u miss it): any draw from p is x
-                return kept + [int(x)]
-        return kept + [_draw(ids, probs, rng.random())]
-    return kept + [_sample_row(logits[len(kept)], params, rng)]
+    for j in range(len(proposed) + 1):
+        token = _sample_row(logits[j], params, draws.at(position + j))
+        if j == len(proposed) or token != proposed[j]:
+            return kept + [token]
+        kept.append(token)
+    return kept
 
 
 class Sampler:
     """Picks the next token for each row of a batch of logits."""
 
-    def __init__(self) -> None:
-        # Only for sampled rows handed no generator; such rows are unseeded, so sharing is harmless.
-        self._fallback_rng = np.random.default_rng()
-
     def sample(
         self,
         logits: np.ndarray,
         params: Sequence[SamplingParams],
-        rngs: Sequence[np.random.Generator | None],
+        draws: Sequence[Draws | None],
+        positions: Sequence[int],
         argmax: np.ndarray | None = None,
     ) -> np.ndarray:
-        """logits [B, V] -> token ids [B] int64. Row i uses params[i] and draws only from rngs[i].
+        """logits [B, V] -> token ids [B] int64. Row i uses params[i] and draws[i]'s number at
+        positions[i], the sequence position its token goes to (None: an unseeded row's own).
         `argmax`, each row's argmax when the engine computed it already, serves the greedy rows."""
         if logits.ndim != 2:
             raise ValueError(f"logits must be 2-D [batch, vocab], got shape {logits.shape}")
         batch = logits.shape[0]
-        if len(params) != batch or len(rngs) != batch:
-            raise ValueError(f"got {batch} logit rows, {len(params)} params and {len(rngs)} rngs; they must match")
+        if len(params) != batch or len(draws) != batch or len(positions) != batch:
+            raise ValueError(f"got {batch} logit rows, {len(params)} params, {len(draws)} draws and "
+                             f"{len(positions)} positions; they must match")
 
         # All greedy, the common serving case: one argmax, no [B, V] copy. Checked in plain Python:
         # right after a step's graph run the caches hold none of numpy's code, and fromiter + all
@@ -323,5 +327,5 @@ class Sampler:
 
         sampled = np.flatnonzero(~greedy)
         for i in sampled:
-            out[i] = _sample_row(logits[i], params[i], rngs[i] if rngs[i] is not None else self._fallback_rng)
+            out[i] = _sample_row(logits[i], params[i], (draws[i] or Draws()).at(positions[i]))
         return out

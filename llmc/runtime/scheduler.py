@@ -78,8 +78,6 @@ class Scheduler:
         while k and not self.blocks.can_append(req, req.num_computed_tokens + n + k):
             k -= 1
         del req.proposal[k:]
-        if req.proposal_probs is not None:
-            req.proposal_probs = req.proposal_probs[:k]
         return k
 
     def _make_room(self, req: Request, num_tokens: int, step: dict[Request, int]) -> bool:
@@ -101,7 +99,7 @@ class Scheduler:
         """Drop a running request's cache; it is computed again from its first token next."""
         self.blocks.free(req)
         self.running.remove(req)
-        req.proposal, req.proposal_probs = [], None
+        req.proposal = []
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 

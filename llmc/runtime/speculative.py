@@ -64,7 +64,7 @@ class NgramProposer:
         """Set each row's proposal of up to k tokens; returns the seconds spent catching up on new
         prompts (none here)."""
         for r, k in zip(rows, ks):
-            r.proposal, r.proposal_probs = (self.lookup(r, k) if k else []), None
+            r.proposal = self.lookup(r, k) if k else []
         return 0.0
 
     def lookup(self, r: Request, k: int) -> list[int]:
@@ -124,7 +124,6 @@ class DraftProposer:
         # A --draft-vocab head's logits column j is token head[j]; None: column j is token j.
         kept = files.manifest.lm_head_tokens
         self.head = None if kept is None else np.asarray(kept, np.int64)
-        self.vocab_size = target.spec.vocab_size
         self.blocks = BlockManager(self.engine.num_blocks, self.engine.block_size, enable_prefix_caching=False)
         self.chunk = options.chunk_size
         self._seqs: dict[str, _DraftSeq] = {}
@@ -138,9 +137,9 @@ class DraftProposer:
         up on new prompts before proposing (its share of the catch-up by tokens)."""
         live = []
         for r, k in zip(rows, ks):
-            r.proposal, r.proposal_probs = [], None
+            r.proposal = []
             if k and self.lookup is not None and (found := self.lookup.lookup(r, k)):
-                r.proposal = found  # q is a point mass, as for "ngram"
+                r.proposal = found
                 continue
             k = min(k, self.engine.max_context - len(r.token_ids))
             if k > 0 and self._catch_up(r, k):
@@ -155,7 +154,6 @@ class DraftProposer:
         behind = sum(_behind(s) for s in seqs)
         caught_up = self._prefill(seqs) * new / behind if new else 0.0
         # Each draft call feeds every row's newest token and reads its next one.
-        probs: dict[str, list[np.ndarray]] = {r.request_id: [] for r, _ in live}
         for j in range(max(k for _, k in live)):
             step = [(r, k) for r, k in live if k > j]
             seqs = [self._seqs[r.request_id] for r, _ in step]
@@ -166,25 +164,14 @@ class DraftProposer:
                 s.num_computed_tokens = len(s.token_ids)
                 if r.params.greedy:
                     token = int(np.argmax(row) if greedy is None else greedy[i])
-                else:
-                    q = distribution(row, r.params)
-                    token = sample_from(q, r.rng)
-                    probs[r.request_id].append(q if self.head is None else self._widened(q))
-                if self.head is not None:
+                else:  # the number the target samples this position with: the two draw alike
+                    token = sample_from(distribution(row, r.params), r.draws.at(len(r.token_ids) + j))
+                if self.head is not None:  # its columns are ids ascending: the target's order
                     token = int(self.head[token])
                 r.proposal.append(token)
                 if j + 1 < k:
                     s.token_ids.append(token)
-        for r, _ in live:
-            if not r.params.greedy:
-                r.proposal_probs = np.stack(probs[r.request_id])
         return caught_up
-
-    def _widened(self, q: np.ndarray) -> np.ndarray:
-        """A distribution over the head's columns as one over the whole vocabulary (the target's)."""
-        wide = np.zeros(self.vocab_size)
-        wide[self.head] = q
-        return wide
 
     def _catch_up(self, r: Request, k: int) -> bool:
         """Point the request's draft sequence at the target's tokens: keep the cached prefix the
