@@ -19,7 +19,13 @@ class EngineError(LlmcError):
 
 
 class RequestError(LlmcError, ValueError):
-    """A request (prompt or sampling parameters) is invalid."""
+    """A request (prompt or sampling parameters) is invalid. `field` names the request field it is
+    about (a sampling parameter, "prompt", "messages", ...; None: the request as a whole), which is
+    what a server reports as the error's `param`."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 def first_line(exc: BaseException) -> str:

@@ -90,13 +90,14 @@ class ChatTemplate:
         given = dict(variables or {})
         if taken := sorted(set(given) & RESERVED):
             raise RequestError(f"chat_template_kwargs cannot set {', '.join(taken)}: the server sets "
-                               f"{', '.join(sorted(RESERVED))}")
+                               f"{', '.join(sorted(RESERVED))}", field="chat_template_kwargs")
         try:
             # tools and documents None, not undefined, as transformers passes them (`tools is none`).
             text = self.template.render(**{**special_tokens, **given}, messages=messages, tools=None, documents=None,
                                         add_generation_prompt=True)
         except Exception as exc:  # the template's own raise_exception, or a message it cannot handle
-            raise RequestError(f"the chat template cannot render these messages ({first_line(exc)})") from None
+            raise RequestError(f"the chat template cannot render these messages ({first_line(exc)})",
+                               field="messages") from None
         check_unicode(text, "the rendered chat prompt", RequestError)  # a surrogate from deeper in a message
         return text
 

@@ -248,21 +248,22 @@ class LLM:
         limit = self.max_context
         if len(ids) >= limit:
             raise RequestError(f"prompt is {len(ids)} tokens but the engine's max context is {limit}; "
-                               "shorten the prompt or rebuild with a larger --max-context")
+                               "shorten the prompt or rebuild with a larger --max-context", field="prompt")
         vocab = self.engine.spec.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None and text is not None:  # the tokenizer knows tokens the model has no embedding for
             raise RequestError(f"the prompt encodes to token {self.tokenizer.id_to_token(bad)!r} (id {bad}), "
-                               f"outside the model's vocabulary (0..{vocab - 1}); remove it from the prompt")
+                               f"outside the model's vocabulary (0..{vocab - 1}); remove it from the prompt", field="prompt")
         if bad is not None:
-            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", field="prompt")
         if len(ids) + params.max_tokens > limit:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                               f"engine's max context {limit}; lower max_tokens to {limit - len(ids)} or less")
+                               f"engine's max context {limit}; lower max_tokens to {limit - len(ids)} or less",
+                               field="max_tokens")
         worst = blocks_for(len(ids) + params.max_tokens, self.engine.block_size)
         if worst > self.blocks.capacity:
             raise RequestError(f"request needs up to {worst} KV blocks but the pool has {self.blocks.capacity}; "
-                               "raise kv_cache_blocks / kv_cache_bytes or lower max_tokens")
+                               "raise kv_cache_blocks / kv_cache_bytes or lower max_tokens", field="max_tokens")
         if request_id is None:
             request_id = f"req-{self._next_order}"
             while request_id in self._requests:  # a caller may have picked this name
@@ -282,25 +283,25 @@ class LLM:
         forms = "a prompt may be a non-empty str, or a non-empty list of int token ids"
         if isinstance(prompt, str):
             if not prompt:
-                raise RequestError("prompt is empty; pass at least one character of text")
+                raise RequestError("prompt is empty; pass at least one character of text", field="prompt")
             check_unicode(prompt, "prompt", RequestError, forms)
             return Prompt(prompt, self.encode(prompt))
         if isinstance(prompt, (bytes, bytearray)):  # a sequence of ints: it would run as one token id per byte
-            raise RequestError(f"prompt is {type(prompt).__name__}; decode it to a str first ({forms})")
+            raise RequestError(f"prompt is {type(prompt).__name__}; decode it to a str first ({forms})", field="prompt")
         if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu":
             ids = prompt.tolist()
         elif isinstance(prompt, Sequence):
             for i, t in enumerate(prompt):
                 if isinstance(t, bool) or not isinstance(t, (int, np.integer)):  # a bool is an int, never a token
                     raise RequestError(f"prompt token {i} is {t!r:.40} ({type(t).__name__}), not an int token id; "
-                                       f"{forms}")
+                                       f"{forms}", field="prompt")
             ids = [int(t) for t in prompt]
         else:
             kind = (f"a {prompt.ndim}-D numpy array of {prompt.dtype}" if isinstance(prompt, np.ndarray)
                     else "None" if prompt is None else f"of type {type(prompt).__name__}")
-            raise RequestError(f"prompt is {kind}; {forms}")
+            raise RequestError(f"prompt is {kind}; {forms}", field="prompt")
         if not ids:
-            raise RequestError("prompt is empty; pass at least one token id")
+            raise RequestError("prompt is empty; pass at least one token id", field="prompt")
         return Prompt(None, ids)
 
     def _deltas(self, request: Request) -> Iterator[str]:

@@ -53,62 +53,62 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
         if not _is_int(self.max_tokens):
-            raise RequestError(f"max_tokens must be an int (got {self.max_tokens!r}); pass a whole number like 64")
+            raise RequestError(f"max_tokens must be an int (got {self.max_tokens!r}); pass a whole number like 64", field="max_tokens")
         if self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1 (got {self.max_tokens}); ask for at least one token")
+            raise RequestError(f"max_tokens must be >= 1 (got {self.max_tokens}); ask for at least one token", field="max_tokens")
         put("max_tokens", int(self.max_tokens))
 
         if not _is_real(self.temperature):
             raise RequestError(
                 f"temperature must be a number (got {self.temperature!r}); use 0 for greedy decoding or e.g. 0.7"
-            )
+            , field="temperature")
         if not math.isfinite(self.temperature):
             raise RequestError(
                 f"temperature must be finite (got {self.temperature}); use 0 for greedy decoding or e.g. 0.7"
-            )
+            , field="temperature")
         if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy decoding")
+            raise RequestError(f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy decoding", field="temperature")
         put("temperature", float(self.temperature))
 
         if not _is_int(self.top_k):
-            raise RequestError(f"top_k must be an int (got {self.top_k!r}); use 0 to disable top-k filtering")
+            raise RequestError(f"top_k must be an int (got {self.top_k!r}); use 0 to disable top-k filtering", field="top_k")
         if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0 (got {self.top_k}); use 0 to disable top-k filtering")
+            raise RequestError(f"top_k must be >= 0 (got {self.top_k}); use 0 to disable top-k filtering", field="top_k")
         put("top_k", int(self.top_k))
 
         if not _is_real(self.top_p):
-            raise RequestError(f"top_p must be a number in (0, 1] (got {self.top_p!r}); use 1.0 to disable top-p")
+            raise RequestError(f"top_p must be a number in (0, 1] (got {self.top_p!r}); use 1.0 to disable top-p", field="top_p")
         if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
-            raise RequestError(f"top_p must be in (0, 1] (got {self.top_p}); use 1.0 to disable top-p")
+            raise RequestError(f"top_p must be in (0, 1] (got {self.top_p}); use 1.0 to disable top-p", field="top_p")
         put("top_p", float(self.top_p))
 
         if self.seed is not None:
             if not _is_int(self.seed):
-                raise RequestError(f"seed must be an int or None (got {self.seed!r}); pass a whole number like 1234")
+                raise RequestError(f"seed must be an int or None (got {self.seed!r}); pass a whole number like 1234", field="seed")
             if self.seed < 0:
-                raise RequestError(f"seed must be >= 0 (got {self.seed}); pass a non-negative whole number")
+                raise RequestError(f"seed must be >= 0 (got {self.seed}); pass a non-negative whole number", field="seed")
             put("seed", int(self.seed))
 
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise RequestError(f"stop must be a string or a list of strings (got {self.stop!r}); e.g. stop=['\\n\\n']")
+            raise RequestError(f"stop must be a string or a list of strings (got {self.stop!r}); e.g. stop=['\\n\\n']", field="stop")
         if any(s == "" for s in stop):
-            raise RequestError(f"stop strings must be non-empty (got {self.stop!r}); remove the empty string")
+            raise RequestError(f"stop strings must be non-empty (got {self.stop!r}); remove the empty string", field="stop")
         put("stop", tuple(stop))
 
         ids = (self.stop_token_ids,) if _is_int(self.stop_token_ids) else self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
             raise RequestError(
                 f"stop_token_ids must be a list of token ids >= 0 (got {self.stop_token_ids!r}); e.g. [2]"
-            )
+            , field="stop_token_ids")
         put("stop_token_ids", tuple(int(i) for i in ids))
 
         if not isinstance(self.ignore_eos, bool):
-            raise RequestError(f"ignore_eos must be True or False (got {self.ignore_eos!r})")
+            raise RequestError(f"ignore_eos must be True or False (got {self.ignore_eos!r})", field="ignore_eos")
 
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be an int from 0 to {MAX_LOGPROBS} (got {self.logprobs!r}); 0 gives "
-                               "each token's own log-probability only")
+                               "each token's own log-probability only", field="logprobs")
 
     @property
     def greedy(self) -> bool:

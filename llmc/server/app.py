@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -32,10 +31,6 @@ from llmc.runtime.request import RequestOutput
 from llmc.server.prometheus import ServerMetrics
 from llmc.server.protocol import UNION_MEMBERS, ChatCompletionRequest, CompletionRequest, _Sampling, error_body
 
-# The fields a runtime refusal can be about, in the order its message is searched for them.
-_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "prompt")
-
-
 class HttpError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None,
                  kind: str = "invalid_request_error"):
@@ -43,9 +38,15 @@ class HttpError(Exception):
         self.status, self.param, self.headers, self.kind = status, param, headers, kind
 
 
-def _param_of(message: str) -> str | None:
-    """The request field a runtime refusal is about, for the error body's `param`."""
-    return next((f for f in _FIELDS if re.search(rf"\b{f}\b", message)), "prompt")  # else: the prompt's tokens
+def _refused(exc: RequestError, which: str, max_tokens_field: str, default_field: str) -> HttpError:
+    """A runtime refusal as a 400 whose `param` is the field it says it is about (the request's own
+    name for max_tokens: chat's max_completion_tokens), `which` of several prompts before it."""
+    field = exc.field or default_field
+    message = str(exc)
+    if field == "max_tokens" and max_tokens_field != field:  # the fix the message names, in the request's words
+        message = message.replace(field, max_tokens_field)
+        field = max_tokens_field
+    return HttpError(400, which + message, field)
 
 
 class _Server:
@@ -99,8 +100,7 @@ class _Server:
         except RequestError as exc:
             for stream in streams:
                 await stream.aclose()
-            message = re.sub(r"\bmax_tokens\b", body.token_limit_field, str(exc))  # the name the request used
-            raise HttpError(400, which + message, _param_of(message)) from None
+            raise _refused(exc, which, body.token_limit_field, "prompt") from None
         return rid, streams
 
     async def choices(self, streams: list) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
@@ -221,8 +221,7 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
         try:
             prompt = await tokenizing(render, sum(len(m.content or "") for m in body.messages))
         except RequestError as exc:
-            param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
-            raise HttpError(400, str(exc), param) from None
+            raise _refused(exc, "", body.token_limit_field, "messages") from None
         rid, streams = await server.start(body, [prompt], max(1, llm.max_context - len(prompt.ids)))
         return await _respond(server, request, body, rid, streams, chat=True)
 
