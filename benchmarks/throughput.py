@@ -47,7 +47,7 @@ def one_at_a_time(llm, prompts, outputs):
 
 
 def row(name, outs, wall):
-    from llmc.runtime.metrics import summarize_requests
+    from llmc.bench.summary import summarize_requests
 
     s = summarize_requests([o.metrics for o in outs])
     tokens = s["counts"]["output_tokens"]

@@ -3,8 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from llmc.runtime.metrics import (RequestTimes, good_requests, goodput, meets_slo, percentiles, slo_violations,
-                                  summarize_requests, summarize_run, throughput)
+from llmc.bench.summary import (good_requests, goodput, meets_slo, percentiles, slo_violations, summarize_requests,
+                                summarize_run, throughput)
+from llmc.runtime.metrics import RequestTimes
 
 
 def _times(arrival, tokens, scheduled=None):

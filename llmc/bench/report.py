@@ -1,5 +1,5 @@
 """Benchmark and tuning reports: report.json (schema in report_schema.json), report.md, the
-terminal table, and tuning_report.md. Numbers come from the summaries llmc.runtime.metrics makes;
+terminal table, and tuning_report.md. Numbers come from the summaries llmc.bench.summary makes;
 this module only arranges and formats them.
 """
 

@@ -18,7 +18,8 @@ from typing import Any
 
 from llmc.bench.workloads import MAX_QPS, BenchRequest, Workload, prompt_vocab
 from llmc.runtime.llm import LLM
-from llmc.runtime.metrics import RequestTimes, summarize_run
+from llmc.bench.summary import summarize_run
+from llmc.runtime.metrics import RequestTimes
 from llmc.runtime.request import RequestOutput
 from llmc.runtime.sampling import SamplingParams
 

@@ -6,7 +6,7 @@ import math
 import re
 
 from llmc.errors import LlmcError
-from llmc.runtime.metrics import SLO_METRICS
+from llmc.bench.summary import SLO_METRICS
 
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h)")
