@@ -271,6 +271,7 @@ def test_a_gpt_oss_checkpoint_in_mxfp4_builds_with_its_codes_as_released(mxfp4_g
 
     from llmc.cli import main
     from llmc.compiler.build import build
+    from llmc.contract.engine_dir import open_engine
     from llmc.contract.options import BuildOptions
 
     folder, tensors = mxfp4_gpt_oss
@@ -281,6 +282,8 @@ def test_a_gpt_oss_checkpoint_in_mxfp4_builds_with_its_codes_as_released(mxfp4_g
         model = onnx.load(engine / "model.onnx")
         nodes = [n for n in model.graph.node if n.op_type == "Experts"]
         assert len(nodes) == 3
+        records = open_engine(engine).manifest.quantization.tensors  # what `llmc inspect` lists
+        assert sorted(r.format for r in records.values() if r.role == "experts") == ["mxfp4"] * 6
         blobs = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer if i.name.endswith(".mxfp4")}
         for node in nodes:
             attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}

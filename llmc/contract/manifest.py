@@ -77,8 +77,8 @@ class KVCache:
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    role: Literal["body", "lm_head", "embedding", "experts"]  # experts: the body's format
-    format: Literal["bf16", "fp16", "int8", "int6", "int4"]
+    role: Literal["body", "lm_head", "embedding", "experts"]  # experts: the body's format, or MXFP4 as released
+    format: Literal["bf16", "fp16", "int8", "int6", "int4", "mxfp4"]
     shape: tuple[int, ...]  # [K, N] as the MatMul reads it (the embedding: [hidden, vocab])
     relative_error: float  # ||w - stored|| / ||w||
 

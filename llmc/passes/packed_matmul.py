@@ -26,7 +26,7 @@ from llmc.contract.options import QUANT_BLOCK_SIZES
 from llmc.passes.cpu_kernels import kernel_library_missing
 from llmc.passes import lazy
 from llmc.passes.graph import tensor
-from llmc.passes.quantize_weights import BITS_KEY, INT_TYPES
+from llmc.passes.quantize_weights import BITS_KEY, INT_TYPES, METADATA_KEY
 from llmc.passes.quantize_weights import SIXTEEN_BIT as STORED_16BIT
 from llmc.passes.rewrite import Rule, RulePass
 from llmc.plugins import cpu
@@ -203,14 +203,19 @@ class PackedExperts(Rule):
                 lambda a, b, w=w: cpu.pack_experts(w.rows(a, b))), f"{value.name}.packed")
         return op.like(m.experts, m.x, m.ids, m.weights, *stacks.values(), *m.experts.inputs[5:], packed=1)
 
-    @staticmethod
-    def _mxfp4(op, m):
+    def __init__(self):
+        self.records: dict[str, dict] = {}  # the MXFP4 stacks, for the manifest's quantization table
+
+    def _mxfp4(self, op, m):
         """Stacks a checkpoint stores in MXFP4: each expert's codes and scales as they are, in the
         panels the kernel reads (weight_format mxfp4)."""
         blobs = []
         for value in (m.gate_up, m.down):
             w = tensor(value)
             experts, n, k = w.dims
+            # stored as released: the checkpoint's own values, no error
+            self.records[f"{value.name}.mxfp4"] = {"role": "experts", "format": "mxfp4", "shape": [experts, n, k],
+                                                   "relative_error": 0.0}
             blobs.append(op.initializer(lazy.Lazy(
                 np.uint8, (experts, quant.mxfp4_bytes(k, n)),
                 lambda a, b, w=w: quant.pack_mxfp4_experts(*w.codes(a, b))), f"{value.name}.mxfp4"))
@@ -291,5 +296,10 @@ class PackedMatMuls(RulePass):
         return result
 
     def rules(self, spec: ModelSpec):
+        self.experts = PackedExperts()
         return [PackedMatMul(), QuantizedPackedMatMul(), SixteenBitPackedMatMul(), SkipRMSNormMatMul(), SwiGLUMatMul(),
-                PackedExperts(), QuantizedPackedExperts()]
+                self.experts, QuantizedPackedExperts()]
+
+    def finish(self, model, spec, counts) -> None:
+        if self.experts.records:
+            model.meta.setdefault(METADATA_KEY, {}).update(self.experts.records)
