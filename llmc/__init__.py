@@ -4,7 +4,7 @@
 the commands and classes that need them.
 """
 
-__version__ = "0.1.0"
+from llmc.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "LlmcError", "__version__"]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import click
 
-from llmc import __version__
 from llmc.compiler.recipes import DEFAULT_RECIPE as DEFAULT_MODEL
 from llmc.errors import LlmcError, RequestError
+from llmc.version import __version__
 
 
 class _Group(click.Group):
