@@ -101,11 +101,11 @@ def session(fmt: str, k: int, n: int, copies: int, threads: int, rng) -> tuple[o
 def use_tile(fmt: str) -> None:
     """`int8@vnni`, `bf16@avx512`...: that tile (plugins/cpu/host.py's TILES) for the format's next
     calls; a plain format: the tile this host measured faster."""
-    from llmc.plugins import cpu
     from llmc.plugins.cpu import host
+    from llmc.plugins.cpu.library import library_path, native
 
-    lib = cpu.native(cpu.library_path())
-    measured = host.use_measured_kernels(cpu.library_path())
+    lib = native(library_path())
+    measured = host.use_measured_kernels(library_path())
     base, _, tile = fmt.partition("@")
     host.apply(lib, {**measured, base: {"tile": tile}} if tile else measured)
 

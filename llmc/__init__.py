@@ -4,7 +4,12 @@
 the commands and classes that need them.
 """
 
-__version__ = "0.1.0"
+from llmc.version import __version__
+
+# The backends that ship with llmc, each registering with the runtime (llmc.runtime.backends) as it
+# is imported; here, so that they are registered before any part of llmc loads an engine. ONNX
+# Runtime's is the runtime's own (llmc.runtime.engine).
+from llmc import trt  # noqa: F401  (TensorRT's; it imports TensorRT itself only for a plan)
 
 __all__ = ["LLM", "SamplingParams", "LlmcError", "__version__"]
 

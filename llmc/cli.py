@@ -11,9 +11,9 @@ from pathlib import Path
 
 import click
 
-from llmc import __version__
 from llmc.compiler.recipes import DEFAULT_RECIPE as DEFAULT_MODEL
 from llmc.errors import LlmcError, RequestError
+from llmc.version import __version__
 
 
 class _Group(click.Group):
@@ -394,13 +394,14 @@ def inspect(engine, as_json):
     from llmc.contract.engine_dir import open_engine
     from llmc.describe import describe
     from llmc.plugins import cpu
+    from llmc.plugins.cpu.library import library_path
 
     manifest = open_engine(engine).manifest
     if as_json:
         click.echo(json.dumps(manifest.to_json(), indent=2))
         return
     kernels = None
-    if cpu.DOMAIN in manifest.backend.custom_ops and (library := cpu.library_path()) is not None:
+    if cpu.DOMAIN in manifest.backend.custom_ops and (library := library_path()) is not None:
         from llmc.plugins.cpu.host import use_measured_kernels
 
         kernels = use_measured_kernels(library)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llmc.plugins import cpu
+from llmc.plugins.cpu.library import library_path
 
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-phi3", "tiny-qwen3", "tiny-olmo2", "tiny-smollm3",
             "tiny-granite", "tiny-gemma2", "tiny-gemma3", "tiny-starcoder2",
@@ -25,7 +25,7 @@ FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-phi3", "tiny-qwen3
 BLOCK_SIZE = 4
 MAX_CONTEXT = 256
 # For tests of llmc's CPU kernels: CI's install compiles them, so there they always run.
-needs_kernels = pytest.mark.skipif(cpu.library_path() is None,
+needs_kernels = pytest.mark.skipif(library_path() is None,
                                    reason="llmc's CPU kernel library is not built (no C compiler at install)")
 
 

@@ -16,6 +16,7 @@ from llmc.errors import EngineError
 from llmc.plugins import cpu
 from llmc.plugins import paged_attention as pa
 from llmc.plugins.cpu import lossless, pack_weight
+from llmc.plugins.cpu.library import LIBRARY_ENV
 
 pytestmark = needs_kernels
 F32, I32 = TensorProto.FLOAT, TensorProto.INT32
@@ -502,7 +503,7 @@ def test_the_pass_stands_aside_without_the_library(monkeypatch, kernel_pass):
     from llmc.contract.options import BuildOptions
     from llmc.passes.pipeline import pipeline
 
-    monkeypatch.setenv(cpu.LIBRARY_ENV, "")
+    monkeypatch.setenv(LIBRARY_ENV, "")
     spec = ModelSpec(family="llama", architecture="LlamaForCausalLM", num_layers=1, hidden_size=8, num_heads=2,
                      num_kv_heads=1, head_dim=4, intermediate_size=16, vocab_size=32, max_position_embeddings=64,
                      rope_theta=1e4, norm_eps=1e-6, activation="silu", tie_word_embeddings=False)
@@ -515,13 +516,13 @@ def test_an_engine_that_needs_the_kernels_fails_clearly_without_them(llama_engin
     from llmc.runtime.engine import Engine
 
     assert open_engine(llama_engine).manifest.backend.custom_ops == (cpu.DOMAIN,)
-    monkeypatch.setenv(cpu.LIBRARY_ENV, "")
+    monkeypatch.setenv(LIBRARY_ENV, "")
     with pytest.raises(EngineError, match="--disable-pass cpu-kernels") as err:
         Engine(llama_engine)
     assert "\n" not in str(err.value)
     # A library that ORT cannot load (here: not a shared object) is named as such, in one line.
     bogus = tmp_path / "libbogus.so"
     shutil.copy(llama_engine / "generation_config.json", bogus)
-    monkeypatch.setenv(cpu.LIBRARY_ENV, str(bogus))
+    monkeypatch.setenv(LIBRARY_ENV, str(bogus))
     with pytest.raises(EngineError, match="cannot load llmc's CPU kernels"):
         Engine(llama_engine)

@@ -12,7 +12,8 @@ import pytest
 from conftest import needs_kernels
 from llmc.contract import open_engine
 from llmc.contract.options import RuntimeOptions
-from llmc.runtime.engine import Engine, Row
+from llmc.runtime.engine import Engine
+from llmc.runtime.step import Row
 
 CASES = {
     "fp32": ("tiny-llama", {}),

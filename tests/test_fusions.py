@@ -16,6 +16,7 @@ from llmc.contract import kv_layout, open_engine
 from llmc.passes.merge_matmuls import MergeSiblingMatMuls
 from llmc.passes.simplify_layout import ReshapeChain, TransposePair
 from llmc.plugins import cpu
+from llmc.plugins.cpu.library import library_path
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling import SamplingParams
 
@@ -167,9 +168,9 @@ def test_fusions_off_same_outputs_and_misses_are_listed(tmp_path, llama_engine):
                                        str(BLOCK_SIZE), "--max-context", "128", "--explain",
                                        "--disable-pass", "merge-matmuls"])
     assert result.exit_code == 0, result.output
-    expected_misses = 7 if cpu.library_path() is not None else 0
+    expected_misses = 7 if library_path() is not None else 0
     assert f"{expected_misses} near-misses" in result.output
-    if cpu.library_path() is not None:
+    if library_path() is not None:
         assert result.output.count("skip_rmsnorm_matmul at") == 7 and "has other consumers" in result.output
 
 

@@ -8,7 +8,7 @@ import torch
 
 from conftest import BLOCK_SIZE, FAMILIES
 from llmc.contract import open_engine
-from llmc.plugins import cpu
+from llmc.plugins.cpu.library import library_path
 from llmc.runtime.engine import Engine
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling import SamplingParams
@@ -112,7 +112,7 @@ VARIANT_PROMPT_LENS = (23, 9, 40, 100)
 
 @pytest.mark.parametrize("recipe", VARIANTS)
 def test_layer_and_rope_variants_match_hf_alone_and_batched(recipe, engines, hf_models):
-    if cpu.library_path() is not None:
+    if library_path() is not None:
         tables = {p.name: p for p in open_engine(engines(recipe)).manifest.passes}["rotary-tables"]
         assert tables.changed == (recipe not in NO_ROTARY_TABLES), tables.misses
     hf, _ = hf_models(recipe)

@@ -10,7 +10,7 @@ import torch
 
 from conftest import BLOCK_SIZE, FAMILIES
 from llmc.errors import RequestError
-from llmc.plugins import cpu
+from llmc.plugins.cpu.library import library_path
 from llmc.runtime.engine import Engine
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling import SamplingParams
@@ -85,7 +85,7 @@ def test_logits_at_chosen_positions_match_hf(recipe, engines, hf_models):
                             np.concatenate([b * max(CHUNK_LENS) + np.arange(c) for b, c in enumerate(CHUNK_LENS)]))
     expected = np.concatenate([r[n:n + c] for r, n, c in zip(ref, prompts, CHUNK_LENS)])
     np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0)
-    assert engine.io.greedy_tokens == (cpu.library_path() is not None) and rows.greedy_steps == 4 * engine.io.greedy_tokens
+    assert engine.io.greedy_tokens == (library_path() is not None) and rows.greedy_steps == 4 * engine.io.greedy_tokens
 
 
 def test_greedy_tokens_from_the_graph_or_from_the_logits_decode_alike(engines):
@@ -95,7 +95,7 @@ def test_greedy_tokens_from_the_graph_or_from_the_logits_decode_alike(engines):
     outputs = []
     for disabled in ((), ("greedy-tokens",)):
         llm = LLM(engines("tiny-llama", *disabled))
-        assert llm.engine.io.greedy_tokens == (not disabled and cpu.library_path() is not None)
+        assert llm.engine.io.greedy_tokens == (not disabled and library_path() is not None)
         outputs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))])
     assert outputs[0] == outputs[1]
 

@@ -21,6 +21,7 @@ from test_quant_kernels import _session
 
 from llmc.plugins import cpu
 from llmc.plugins.cpu import quant
+from llmc.plugins.cpu.library import library_path, native
 
 pytestmark = needs_kernels
 MXFP4 = quant.WEIGHT_FORMATS["mxfp4"]
@@ -106,7 +107,7 @@ def test_either_decode_tile_matches_the_reference(vnni):
     """A decode step's rows (1 and 2) take the tile the host measured faster for mxfp4: either one."""
     from llmc.plugins.cpu import host
 
-    lib = cpu.native(cpu.library_path())
+    lib = native(library_path())
     seconds = (ctypes.c_double * 2)()
     if host._probe(lib, "llmc_probe_quant")(MXFP4, 1, 64, 32, 1, seconds) or seconds[vnni] < 0:
         pytest.skip("this CPU has no AVX-512 VNNI" if vnni else "this CPU has no AVX2")
@@ -114,7 +115,7 @@ def test_either_decode_tile_matches_the_reference(vnni):
         assert lib.llmc_set_decode_tile(MXFP4, vnni) == 0
         _check_products()
     finally:
-        host.apply(lib, host.use_measured_kernels(cpu.library_path()))
+        host.apply(lib, host.use_measured_kernels(library_path()))
 
 
 @pytest.mark.parametrize("switch", ["LLMC_CPU_PLAIN", "LLMC_CPU_NO_VNNI"])

@@ -13,6 +13,7 @@ from llmc.passes.manager import PassManager
 from llmc.passes.pipeline import phases, pipeline
 from llmc.passes.verify import ATOL, PassVerificationError, compare, verifier
 from llmc.plugins import cpu
+from llmc.plugins.cpu.library import library_path
 
 # With llmc's CPU kernels (the default where they are built) attention, its RoPE and the packed
 # projections go to the kernels, leaving ort-lower and the layout pass nothing to do on
@@ -143,7 +144,7 @@ def test_build_report_lists_each_pass_with_counts(llama_engine):
     report = json.loads((llama_engine / "build_report.json").read_text())
     passes = {p["name"]: p for p in report["passes"]}
     assert list(passes) == DEFAULT_PASSES
-    expected = KERNEL_COUNTS if cpu.library_path() is not None else COMPOSED_COUNTS
+    expected = KERNEL_COUNTS if library_path() is not None else COMPOSED_COUNTS
     for name, p in passes.items():
         if p["changed"]:
             assert p["max_abs_diff"] is not None and p["max_abs_diff"] <= ATOL

@@ -18,6 +18,7 @@ from onnx import TensorProto
 from test_cpu_kernels import _session as kernel_session
 
 from llmc.plugins.cpu import pack_weight, quant
+from llmc.plugins.cpu.library import library_path, native
 
 pytestmark = needs_kernels
 F32 = TensorProto.FLOAT
@@ -89,9 +90,7 @@ def test_quantized_matmul_matches_the_reference(bits, asymmetric, block):
 
 
 def _library():
-    from llmc.plugins import cpu
-
-    return cpu.native(cpu.library_path())
+    return native(library_path())
 
 
 @pytest.mark.parametrize("vnni", [0, 1], ids=["avx2", "vnni"])
@@ -99,7 +98,6 @@ def _library():
 def test_either_decode_tile_matches_the_reference(bits, vnni):
     """A decode step's rows (1 and 2) take the tile the host measured faster: each one a host may
     choose gives the reference's sums."""
-    from llmc.plugins import cpu
     from llmc.plugins.cpu import host
 
     lib, fmt = _library(), f"int{bits}"
@@ -118,13 +116,12 @@ def test_either_decode_tile_matches_the_reference(bits, vnni):
             err = np.abs(y.reshape(rows, n) - quant.reference(x, q, scale, zp, bits, block).reshape(rows, n))
             assert (err <= _tolerance(x, q, scale, zp, block)).all(), (rows, err.max())
     finally:
-        host.apply(lib, host.use_measured_kernels(cpu.library_path()))
+        host.apply(lib, host.use_measured_kernels(library_path()))
 
 
 def test_the_decode_tiles_are_measured_once_per_host(tmp_path, monkeypatch):
     """The probe times each tile the CPU has; the faster is kept per host and library build and
     read back by the next process instead of measuring again."""
-    from llmc.plugins import cpu
     from llmc.plugins.cpu import host
 
     monkeypatch.setenv("LLMC_CACHE", str(tmp_path))
@@ -133,12 +130,12 @@ def test_the_decode_tiles_are_measured_once_per_host(tmp_path, monkeypatch):
     for choice in tiles.values():
         assert choice["seconds"]["avx2"] > 0 and choice["tile"] == min(choice["seconds"], key=choice["seconds"].get)
     host.use_measured_kernels.cache_clear()
-    kept = host.use_measured_kernels(cpu.library_path())
-    path = host.choices_path(cpu.library_path())
+    kept = host.use_measured_kernels(library_path())
+    path = host.choices_path(library_path())
     assert path.is_file() and json.loads(path.read_text())["host"] == host.host()
     monkeypatch.setattr(host, "measure", lambda lib: pytest.fail("measured again"))
     host.use_measured_kernels.cache_clear()
-    assert host.use_measured_kernels(cpu.library_path()) == kept
+    assert host.use_measured_kernels(library_path()) == kept
 
 
 def test_the_reference_is_close_to_the_float_product():
@@ -188,7 +185,6 @@ def test_16bit_matmul_matches_numpy(fmt, rows):
 def test_the_wide_16bit_tile_gives_the_same_sums(fmt):
     """The AVX-512 tile a host may measure faster adds the same products in the same order as the
     AVX2 one: the same outputs to the bit, at row counts of one pass and two, and a partial panel."""
-    from llmc.plugins import cpu
     from llmc.plugins.cpu import host
 
     lib, bf16 = _library(), int(fmt == "bf16")
@@ -210,7 +206,7 @@ def test_the_wide_16bit_tile_gives_the_same_sums(fmt):
             assert np.array_equal(outs[0], outs[1])
             np.testing.assert_allclose(outs[1], x @ rounded, rtol=1e-5, atol=1e-4)
     finally:
-        host.apply(lib, host.use_measured_kernels(cpu.library_path()))
+        host.apply(lib, host.use_measured_kernels(library_path()))
 
 
 def test_bf16_rounds_to_nearest_even():

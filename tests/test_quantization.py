@@ -20,6 +20,7 @@ from llmc.errors import LlmcError
 from llmc.passes import quantizers
 from llmc.passes.quantizers import SYMMETRIC_RANGE, quantize, relative_error
 from llmc.plugins.cpu import quant
+from llmc.plugins.cpu.library import LIBRARY_ENV
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling import SamplingParams
 
@@ -302,9 +303,8 @@ def test_without_llmc_kernels_onnx_runtime_runs_the_quantized_graph_as_matmul_nb
     import onnxruntime as ort
 
     from llmc.compiler.build import build
-    from llmc.plugins import cpu
 
-    monkeypatch.setenv(cpu.LIBRARY_ENV, "")
+    monkeypatch.setenv(LIBRARY_ENV, "")
     engine = build("tiny-llama", tmp_path / "e", BuildOptions(block_size=4, max_context=64, quant="int4")).engine_dir
     assert open_engine(engine).manifest.backend.custom_ops == ()
     options = ort.SessionOptions()

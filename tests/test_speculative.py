@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from llmc.errors import LlmcError, RequestError
-from llmc.runtime.engine import Row
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.llm import LLM
 from llmc.runtime.request import Request
 from llmc.runtime.sampling import Draws, Sampler, SamplingParams, distribution, sample_from, verify
 from llmc.runtime.speculative import EPOCH, PROBE_STEPS, NgramProposer, Speculator, _Bucket
+from llmc.runtime.step import Row
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=48, chunk_size=16)
 # code-small repeats itself after this prompt (and copies from its input: docs/speculative.md),

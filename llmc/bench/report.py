@@ -11,11 +11,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from llmc import __version__
 from llmc.bench.runner import BUSY_MACHINE, RunResult, merged_summary
 from llmc.bench.slo import format_slo
 from llmc.bench.workloads import MAX_QPS, qps_label
 from llmc.contract.options import RuntimeOptions, format_options
+from llmc.version import __version__
 
 REPORT_SCHEMA_VERSION = 1
 # (summary key, column title) of the latency columns the table shows, in ms.

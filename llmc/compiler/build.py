@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from llmc import __version__
 from llmc.contract import graph_io, kv_layout
 from llmc.contract.codec import to_json
 from llmc.contract.engine_dir import EngineWriter
@@ -27,6 +26,7 @@ from llmc.contract.manifest import (Backend, KVCache, Manifest, PassRecord, Payl
 from llmc.contract.model_spec import ModelSpec
 from llmc.contract.options import QUANT_BITS, QUANT_BLOCK_SIZES, WEIGHT_ROLES, BuildOptions
 from llmc.errors import LlmcError
+from llmc.version import __version__
 
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "model.onnx.data"

@@ -306,16 +306,16 @@ def _with_llmc_experts(model) -> tuple[Any, tuple[bool, bool]]:
     if not getattr(model, "_can_set_experts_implementation", lambda: False)():
         return model, (False, False)
     from llmc.compiler import experts
-    from llmc.plugins import cpu
+    from llmc.plugins.cpu.library import MISSING_HINT, library_path
 
     modules = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
     if not modules:
         return model, (False, False)
     if (lacks := experts.unsupported(modules[0])) is not None:
         raise ModelError(f"{type(model).__name__}'s experts have {lacks}, which llmc's experts kernel lacks")
-    if cpu.library_path() is None:
+    if library_path() is None:
         raise ModelError(f"{type(model).__name__}'s experts run on llmc's CPU kernels, which this install lacks; "
-                         f"{cpu.MISSING_HINT}")
+                         f"{MISSING_HINT}")
     layout = experts.layout(modules[0])
     for module in modules:
         experts.convert_module(module)

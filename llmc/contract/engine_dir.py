@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from types import TracebackType
-from typing import Any, Callable
 
 from llmc.contract.codec import ContractError
+from llmc.contract.json_file import read_json_object
 from llmc.contract.manifest import SCHEMA_VERSION, FileEntry, Manifest, SchemaError
 from llmc.contract.tuning import TUNING_FILE
 from llmc.errors import EngineError
+from llmc.version import __version__
 
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20  # bounded memory while hashing multi-GiB weight files
@@ -119,8 +120,6 @@ class EngineWriter:
         """List and hash the payload into the manifest, write it and move the engine to the target."""
         if self.path is None or self._committed:
             raise RuntimeError("EngineWriter.commit must be called once, inside the `with` block")
-        from llmc import __version__
-
         files = {p.relative_to(self.path).as_posix(): FileEntry(_sha256(p), p.stat().st_size)
                  for p in sorted(self.path.rglob("*")) if p.is_file() and p.name != MANIFEST}
         missing = [rel for rel in manifest.role_files().values() if rel is not None and rel not in files]
@@ -168,22 +167,6 @@ class EngineFiles:
     # role -> sha256 of the files open_engine left for their reader to hash as it reads them
     # (`hash_later`): the weights, which the runtime reads whole anyway.
     unverified: dict[str, str] = field(default_factory=dict)
-
-
-def read_json_object(path: Path, corrupt: Callable[[str], Exception],
-                     unreadable: Callable[[str], Exception]) -> dict[str, Any]:
-    """Parse the JSON object in `path`; raise corrupt(why) or unreadable(why), why being one line."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise corrupt(f"{e.msg} at line {e.lineno}") from None
-    except UnicodeDecodeError:
-        raise corrupt("not UTF-8 text") from None
-    except OSError as e:
-        raise unreadable(str(e.strerror)) from None
-    if not isinstance(data, dict):
-        raise corrupt(f"expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def read_eos_token_ids(path: Path) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmc.contract.json_file import read_json_object
 from llmc.contract.options import RuntimeOptions, format_options
 from llmc.errors import EngineError, LlmcError
 
@@ -50,8 +51,6 @@ def _check(options: Any) -> dict[str, Any]:
 def read_tuning(path: Path) -> dict[str, Any] | None:
     """The tuned options in `path` (an engine's tuning.json, as `open_engine` found it); None, with
     a warning naming the file and the problem, when it is unusable."""
-    from llmc.contract.engine_dir import read_json_object
-
     try:
         data = read_json_object(path, lambda why: LlmcError(f"corrupt: {why}"), LlmcError)
         if data.get("schema_version") != TUNING_SCHEMA_VERSION:

@@ -20,6 +20,7 @@ import onnx_ir as ir
 
 from llmc.contract import graph_io as io
 from llmc.errors import LlmcError, first_line
+from llmc.passes.graph import matmul_tensor
 
 SEGMENT_BYTES = 512 << 20
 WEIGHT_BYTES = 1 << 16  # initializers as large as this are fed to a segment's session as inputs
@@ -29,8 +30,6 @@ def mean_square_inputs(model: ir.Model, windows: np.ndarray,
                        segment_bytes: int = SEGMENT_BYTES) -> dict[str, np.ndarray]:
     """{MatMul node name: mean of x^2 over every calibration token, per input row k} for the
     MatMuls with a constant right operand; `windows` is [W, S] token ids, run one window a call."""
-    from llmc.passes.quantize_weights import matmul_tensor
-
     watched = {node.name: node.inputs[0] for node in model.graph
                if node.op_type == "MatMul" and node.domain in ("", "ai.onnx")
                and matmul_tensor(node.inputs[1]) is not None}

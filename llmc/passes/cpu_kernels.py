@@ -36,6 +36,7 @@ from llmc.passes.graph import const_ints, perm, producer, rotary, shared_rotary,
 from llmc.passes.rewrite import Rule, RulePass, rotary_operands
 from llmc.plugins import cpu
 from llmc.plugins import paged_attention as pa
+from llmc.plugins.cpu.library import MISSING_HINT, library_path
 
 HEADS_TO_TOKENS = (0, 2, 1, 3)  # [B, H, S, D] <-> [B, S, H, D]
 SINKS = 12  # llmc.cpu::PagedAttention's input (cpu_ops.c: IN_SINKS)
@@ -233,6 +234,6 @@ class CPUKernels(RulePass):
 
 def kernel_library_missing() -> str | None:
     """Why passes that emit llmc.cpu ops cannot run here, or None."""
-    if cpu.library_path() is None:
-        return f"llmc's CPU kernel library is not built ({cpu.MISSING_HINT})"
+    if library_path() is None:
+        return f"llmc's CPU kernel library is not built ({MISSING_HINT})"
     return None

@@ -15,8 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from llmc.contract.model_spec import ModelSpec
-from llmc.passes.graph import is_lm_head_output
-from llmc.passes.quantize_weights import matmul_weight
+from llmc.passes.graph import is_lm_head_output, matmul_weight
 from llmc.passes.rewrite import Rule, RulePass
 
 TOKENS_KEY = "llmc.lm_head_tokens"  # metadata the build reads back into the manifest

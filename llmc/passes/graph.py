@@ -52,6 +52,23 @@ def perm(node: ir.Node) -> tuple[int, ...] | None:
     return tuple(attr.value) if attr is not None else None
 
 
+def matmul_tensor(value: ir.Value | None) -> lazy.Lazy | None:
+    """A MatMul's constant right operand as a lazy [K, N]: an initializer, or a Transpose of one
+    (the LM head of a tied model reads the embedding table transposed)."""
+    if (found := tensor(value)) is not None:
+        return found
+    node = producer(value, "Transpose")
+    if node is None or (table := tensor(node.inputs[0])) is None or len(table.dims) != 2:
+        return None
+    return lazy.transposed(table) if perm(node) in (None, (1, 0)) else None
+
+
+def matmul_weight(value: ir.Value | None) -> np.ndarray | None:
+    """matmul_tensor's values, whole."""
+    found = matmul_tensor(value)
+    return None if found is None else found.numpy()
+
+
 def rotary(value: ir.Value) -> tuple[ir.Value, ir.Node | None]:
     """(inner value, RotaryEmbedding node) when `value` is a RotaryEmbedding's output over 4-D
     [B, H, S, D] with per-token cos/sin (no position_ids), else (value, None)."""

@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from llmc.contract.model_spec import ModelSpec
 from llmc.passes import lazy
-from llmc.passes.graph import ONNX_DOMAINS, is_lm_head_output
+from llmc.passes.graph import ONNX_DOMAINS, is_lm_head_output, matmul_tensor
 from llmc.passes.rewrite import Rule, RulePass
 
 
@@ -34,8 +34,6 @@ class ScaleIntoLMHead(Rule):
         return m if m is not None and is_lm_head_output(m.outputs[0]) else None
 
     def check(self, m):
-        from llmc.passes.quantize_weights import matmul_tensor
-
         scale = m.c.const_value
         if scale is None or m.c.producer() is not None or int(np.prod(scale.shape.numpy(), dtype=np.int64)) != 1:
             return "the logits are scaled by something other than a constant scalar"
@@ -47,8 +45,6 @@ class ScaleIntoLMHead(Rule):
         return None
 
     def rewrite(self, op, m):
-        from llmc.passes.quantize_weights import matmul_tensor
-
         w, c = matmul_tensor(m.w), np.float32(m.c.const_value.numpy().reshape(()))
         scaled = (lambda a, b: w.columns(a, b) / c) if self.op_type == "Div" else (lambda a, b: w.columns(a, b) * c)
         head = lazy.Lazy(np.float32, w.dims, scaled, axis=1, step=lazy.float_step(w.dims[0]),

@@ -24,7 +24,8 @@ from llmc.contract import graph_io as io
 from llmc.contract.model_spec import ModelSpec
 from llmc.contract.options import QUANT_BITS, BuildOptions
 from llmc.passes import lazy
-from llmc.passes.graph import is_lm_head_output, perm, producer, tensor, weight
+from llmc.passes.calibrate import mean_square_inputs
+from llmc.passes.graph import is_lm_head_output, matmul_tensor, tensor, weight
 from llmc.passes.manager import PassResult
 from llmc.passes.merge_matmuls import PROJECTION_KEY, QKV
 from llmc.passes.quantizers import QuantizedWeight, quantize
@@ -37,23 +38,6 @@ FLOAT = ir.DataType.FLOAT.value
 # int6 has no ONNX type: int8 holding 6-bit values, which the CPU lowering packs in 6 bits.
 INT_TYPES = {(4, True): ml_dtypes.int4, (4, False): ml_dtypes.uint4, (8, True): np.int8, (8, False): np.uint8,
              (6, True): np.int8, (6, False): np.uint8}
-
-
-def matmul_tensor(value: ir.Value | None) -> lazy.Lazy | None:
-    """A MatMul's constant right operand as a lazy [K, N]: an initializer, or a Transpose of one
-    (the LM head of a tied model reads the embedding table transposed)."""
-    if (found := tensor(value)) is not None:
-        return found
-    node = producer(value, "Transpose")
-    if node is None or (table := tensor(node.inputs[0])) is None or len(table.dims) != 2:
-        return None
-    return lazy.transposed(table) if perm(node) in (None, (1, 0)) else None
-
-
-def matmul_weight(value: ir.Value | None) -> np.ndarray | None:
-    """matmul_tensor's values, whole."""
-    found = matmul_tensor(value)
-    return None if found is None else found.numpy()
 
 
 class _Quantizer:
@@ -374,8 +358,6 @@ class QuantizeWeights(RulePass):
         if self.options.quant_method == "awq" and self.options.quant != "none":
             if self.calibration is None:
                 return PassResult(False, {}, ["--quant-method awq needs calibration text; none was given"])
-            from llmc.passes.calibrate import mean_square_inputs
-
             self.quantizer.importance = mean_square_inputs(model, self.calibration)
         result = super().apply(model, spec)
         model.meta.setdefault(METADATA_KEY, {}).update(self.quantizer.records)

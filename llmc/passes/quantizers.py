@@ -146,7 +146,7 @@ def _quantize_native(native, w, bits, block_size, method, importance) -> Quantiz
 def _native_for(path) -> object | None:
     import ctypes
 
-    from llmc.plugins.cpu import native
+    from llmc.plugins.cpu.library import native
 
     try:
         fn = native(path).llmc_quantize_symmetric
@@ -159,7 +159,7 @@ def _native_for(path) -> object | None:
 
 
 def _native_quantizer():
-    from llmc.plugins.cpu import library_path
+    from llmc.plugins.cpu.library import library_path
 
     path = library_path()
     return None if path is None else _native_for(path)

@@ -18,8 +18,10 @@ from llmc.contract import graph_io as io
 from llmc.contract import kv_layout
 from llmc.contract.engine_dir import EngineFiles, open_engine
 from llmc.contract.options import GRAPH_OPTIMIZATION_LEVELS, RuntimeOptions
-from llmc.errors import EngineError, LlmcError, RequestError, first_line
+from llmc.errors import EngineError, LlmcError, first_line
 from llmc.plugins import cpu
+from llmc.runtime import backends
+from llmc.runtime.step import Row, checked_indices, fill
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
@@ -35,15 +37,11 @@ def _import_ort():
 
 
 def load_engine(engine: str | Path | EngineFiles, options: RuntimeOptions | None = None):
-    """The engine's backend, loaded: ONNX Runtime's `Engine`, or `TrtEngine` for a TensorRT plan
-    (imported only then: the CPU install never loads TensorRT or CUDA)."""
+    """The engine loaded by the backend its manifest names: ONNX Runtime's `Engine`, or another
+    registered with llmc.runtime.backends (TensorRT's, which loads TensorRT and CUDA only then)."""
     files = engine if isinstance(engine, EngineFiles) else open_engine(
         engine, verify_checksums=(options or RuntimeOptions()).verify_checksums, hash_later=("weights",))
-    if files.manifest.backend.name == "tensorrt":
-        from llmc.trt.engine import TrtEngine
-
-        return TrtEngine(files, options)
-    return Engine(files, options)
+    return backends.load(files, options)
 
 
 TABLE_STEP = 16  # forward_rows pads block tables to a multiple of this many blocks
@@ -164,7 +162,7 @@ class Engine:
             np.add(step.last_of_row, query_lens, out=step.inputs[io.LOGITS_INDICES])
         return self._run(step)
 
-    def forward_rows(self, rows: list["Row"], seq: int | None = None, logits_indices=None) -> np.ndarray:
+    def forward_rows(self, rows: list[Row], seq: int | None = None, logits_indices=None) -> np.ndarray:
         """`forward` of `pack(rows, seq)`, the rows written straight into the step's bound arrays:
         a decode step's inputs are a few scalars, and building them as arrays first (then copying)
         took a measurable share of a batch-1 step (docs/attention_cpu.md)."""
@@ -190,7 +188,7 @@ class Engine:
         which the caller writes)."""
         if logits_indices is None:
             return self._step_buffers(batch, seq, width, batch)
-        logits_indices = _checked_indices(logits_indices, batch, seq)
+        logits_indices = checked_indices(logits_indices, batch, seq)
         step = self._step_buffers(batch, seq, width, len(logits_indices))
         np.copyto(step.inputs[io.LOGITS_INDICES], logits_indices, casting="unsafe")
         return step
@@ -238,77 +236,6 @@ class _StepBuffers:
     binding: object  # the session's IOBinding of these arrays and the pools
 
 
-@dataclass
-class Row:
-    """One row of a step: the tokens it computes, the tokens already in its cache, its block
-    table, and the position its padding slots carry (default: its last new token's)."""
-    tokens: list[int]
-    past: int
-    block_table: list[int]
-    pad_position: int | None = None
-
-
-def pack(rows: list[Row], seq: int | None = None):
-    """The step inputs (input_ids, position_ids, past_lens, query_lens, block_tables) of rows,
-    padded to the longest row (or to `seq`)."""
-    seq = max(len(r.tokens) for r in rows) if seq is None else seq
-    inputs = {name: np.empty(dims, io.STEP_INPUTS[name]) for name, dims in (
-        (io.INPUT_IDS, (len(rows), seq)), (io.POSITION_IDS, (len(rows), seq)), (io.PAST_LENS, len(rows)),
-        (io.QUERY_LENS, len(rows)), (io.BLOCK_TABLES, (len(rows), max(len(r.block_table) for r in rows))))}
-    fill(rows, inputs)
-    return tuple(inputs.values())
-
-
-def fill(rows: list[Row], inputs: dict[str, np.ndarray], last: np.ndarray | None = None) -> None:
-    """Write rows into a step's input arrays (shaped for them), and each row's last valid token's
-    index in the token grid into `last`. Padding tokens are 0 and carry the row's pad position; a
-    short row's block-table tail is the scratch block, which reads nothing. Element by element:
-    right after a step's graph run the caches hold none of numpy's code, and each numpy routine
-    touched costs microseconds then (docs/attention_cpu.md)."""
-    ids, positions, past, lens, tables = (inputs[name] for name in (
-        io.INPUT_IDS, io.POSITION_IDS, io.PAST_LENS, io.QUERY_LENS, io.BLOCK_TABLES))
-    seq, max_width = ids.shape[1], tables.shape[1]
-    for i, r in enumerate(rows):
-        n, width = len(r.tokens), len(r.block_table)
-        past[i], lens[i] = r.past, n
-        if n == seq == 1:  # a decode row
-            ids[i, 0], positions[i, 0] = r.tokens[0], r.past
-        else:
-            ids[i, :n], ids[i, n:] = r.tokens, 0
-            positions[i, :n] = np.arange(r.past, r.past + n)
-            positions[i, n:] = r.past + n - 1 if r.pad_position is None else r.pad_position
-        tables[i, :width] = r.block_table
-        if width < max_width:
-            tables[i, width:] = io.SCRATCH_BLOCK
-        if last is not None:
-            last[i] = i * seq + n - 1
-
-
-def _checked_indices(indices, batch: int, seq: int) -> np.ndarray:
-    """`indices` as a 1-D integer array inside the step's [batch*seq] token grid, else a
-    RequestError: ONNX Runtime would fail with a multi-line Gather error (or wrap a negative one)."""
-    if type(indices) is list and indices and all(type(i) is int for i in indices):
-        # The runtime's own lists (a verify step's): numpy's min and max on a few ints, run cold
-        # after a step, cost more than the Python around them.
-        array, low, high = np.array(indices, np.int64), min(indices), max(indices)
-    else:
-        array = np.asarray(indices)
-        if array.shape == (0,):  # none wanted (a prefill chunk that samples nothing): [] is float to numpy
-            return array.astype(np.int64)
-        if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise RequestError(f"logits_indices must be a 1-D array of integer indices into {_grid(batch, seq)}; "
-                               f"got {array.ndim}-D {array.dtype}")
-        low, high = int(array.min()), int(array.max())
-    if low < 0 or high >= batch * seq:
-        raise RequestError(f"logits_indices holds {low if low < 0 else high}, outside {_grid(batch, seq)}: "
-                           f"each index must be 0 to {batch * seq - 1}")
-    return array
-
-
-def _grid(batch: int, seq: int) -> str:
-    return f"the step's {batch}x{seq} token grid (row b, token j is b*{seq} + j)"
-
-
 def _read_weights(opts, path: Path, name: str, sha256: str | None = None):
     """Hand ORT the weights file read into anonymous memory advised to use huge pages, for it to
     use in place. ORT would otherwise map the file with 4 KB pages, and every decode step streams
@@ -354,3 +281,6 @@ def _physical_cores() -> int:
         return psutil.cpu_count(logical=False) or os.cpu_count() or 1
     except ImportError:
         return os.cpu_count() or 1
+
+
+backends.register("onnxruntime", Engine)  # the runtime's own backend, always there with load_engine

@@ -19,12 +19,13 @@ from llmc.contract.engine_dir import open_engine, read_eos_token_ids
 from llmc.contract.options import RuntimeOptions
 from llmc.contract.tuning import read_tuning
 from llmc.errors import EngineError, RequestError, check_unicode, first_line
-from llmc.runtime.engine import Row, load_engine
+from llmc.runtime.engine import load_engine
 from llmc.runtime.kv_cache import BlockManager, blocks_for
 from llmc.runtime.request import Request, RequestOutput
 from llmc.runtime.sampling import Sampler, SamplingParams, token_logprob, verify
 from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.speculative import make_speculator
+from llmc.runtime.step import Row
 
 __all__ = ["LLM", "Prompt", "RequestOutput", "Stream"]
 

@@ -30,10 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.runtime.engine import Engine, Row
+from llmc.runtime.engine import Engine
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.request import Request
 from llmc.runtime.sampling import distribution, sample_from
+from llmc.runtime.step import Row
 
 MIN_CHANCE = 0.1  # propose the j-th token while acceptance**j is at least this
 PRIOR_HITS, PRIOR_TRIALS = 1.5, 2.0  # a new request's estimate, 0.75: optimistic, so it tries

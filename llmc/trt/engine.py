@@ -26,7 +26,7 @@ from llmc.contract.engine_dir import EngineFiles, open_engine
 from llmc.contract.options import RuntimeOptions
 from llmc.contract.profiles import choose
 from llmc.errors import LlmcError
-from llmc.runtime.engine import Row, _checked_indices, pack
+from llmc.runtime.step import Row, checked_indices, pack
 
 DEVICE_MEMORY_SHARE = 0.9  # of the GPU memory free after loading the plan, for the KV pools by default
 
@@ -135,7 +135,7 @@ class TrtEngine:
         if logits_indices is None:
             logits_indices = np.arange(batch, dtype=np.int64) * seq + np.asarray(query_lens, np.int64) - 1
         else:  # the ONNX Runtime engine's check: one line, not a CUDA fault
-            logits_indices = _checked_indices(logits_indices, batch, seq)
+            logits_indices = checked_indices(logits_indices, batch, seq)
         arrays = {io.INPUT_IDS: input_ids, io.POSITION_IDS: position_ids, io.PAST_LENS: past_lens,
                   io.QUERY_LENS: query_lens, io.BLOCK_TABLES: block_tables, io.LOGITS_INDICES: logits_indices}
         arrays = {name: np.ascontiguousarray(value, io.STEP_INPUTS[name]) for name, value in arrays.items()}

@@ -6,14 +6,12 @@ setup.py when llmc is installed, as an optional extension: without a C compiler 
 still succeeds, the passes that target these ops stand aside and engines use standard ONNX ops.
 The library is a plain shared object for ORT's `register_custom_ops_library`, not a Python
 module; the build also calls its quantizer (quantize.c) through ctypes (passes/quantizers.py).
+library.py finds and loads it; host.py sets the tiles this host measured faster in it.
 The ops and their inputs are documented in kernels.h.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from pathlib import Path
 from typing import NamedTuple
 
 DOMAIN = "llmc.cpu"
@@ -31,40 +29,20 @@ class PackedGemm(NamedTuple):
 # The ops that run the packed GEMM (cpu_ops.c).
 PACKED_GEMMS = {"PackedMatMul": PackedGemm(1, 1), "SkipRMSNormMatMul": PackedGemm(3, 2),
                 "SwiGLUMatMul": PackedGemm(1, 1)}
-# Points at another build of the library; set to "" to build and run without it.
-LIBRARY_ENV = "LLMC_CPU_KERNELS"
-MISSING_HINT = "reinstall llmc where a C compiler is available: pip install -e ."
-
-
-def library_path() -> Path | None:
-    override = os.environ.get(LIBRARY_ENV)
-    if override is not None:
-        return Path(override) if override and Path(override).is_file() else None
-    found = sorted(Path(__file__).parent.glob("_cpu_ops*.so"))
-    return found[-1] if found else None
-
-
-@functools.cache
-def native(path: Path):
-    """The library at `path` loaded for ctypes calls (the build's quantizer, the host's tile probes):
-    the same loaded object ORT's sessions use."""
-    import ctypes
-
-    return ctypes.CDLL(str(path))
 
 
 def register(session_options) -> None:
     """Make `session_options` able to run llmc.cpu nodes. Raises LlmcError when the library is
     missing, so an engine that needs it fails with the fix rather than ORT's unknown-op error."""
     from llmc.errors import LlmcError
+    from llmc.plugins.cpu.host import use_measured_kernels
+    from llmc.plugins.cpu.library import MISSING_HINT, library_path
 
     path = library_path()
     if path is None:
         raise LlmcError(f"this engine runs llmc's CPU kernels, which this install lacks; {MISSING_HINT}, "
                         "or rebuild the engine with --disable-pass cpu-kernels")
     session_options.register_custom_ops_library(str(path))
-    from llmc.plugins.cpu.host import use_measured_kernels
-
     use_measured_kernels(path)  # this host's choices, set in the library before the session runs
 
 

@@ -22,6 +22,8 @@ import os
 import platform
 from pathlib import Path
 
+from llmc.plugins.cpu.library import native
+
 log = logging.getLogger("llmc")
 
 # Per weight format, the tiles a choice is between (the first is the one every host can run), the
@@ -107,8 +109,6 @@ def use_measured_kernels(library: Path) -> dict:
     """Set this host's measured tiles in `library` (ORT's copy of it: the same loaded object),
     measuring them first where no earlier process of this host did. Returns what was set:
     {format: {"tile": ..., "seconds": {tile: ...}}}."""
-    from llmc.plugins.cpu import native
-
     lib = native(library)
     if not hasattr(lib, "llmc_probe_16bit"):  # a library from before the probes
         return {}
