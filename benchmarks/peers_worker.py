@@ -145,11 +145,11 @@ def _experts_bytes_read() -> int:
     """The expert weight bytes llmc.cpu::Experts has read in this process (0 without the kernels)."""
     import ctypes
 
-    from llmc.plugins import cpu
+    from llmc.plugins.cpu.library import library_path, native
 
-    if cpu.library_path() is None:
+    if library_path() is None:
         return 0
-    counter = cpu.native(cpu.library_path()).llmc_experts_bytes_read
+    counter = native(library_path()).llmc_experts_bytes_read
     counter.restype = ctypes.c_uint64
     return counter()
 
