@@ -271,7 +271,8 @@ def test_a_gpt_oss_checkpoint_in_mxfp4_builds_with_its_codes_as_released(mxfp4_g
     from safetensors.numpy import save_file
 
     from llmc.cli import main
-    from llmc.compiler.build import build
+    from llmc.compiler.build import build, engine_bytes
+    from llmc.compiler.frontend import load_checkpoint
     from llmc.contract.engine_dir import open_engine
     from llmc.contract.options import BuildOptions
 
@@ -283,7 +284,13 @@ def test_a_gpt_oss_checkpoint_in_mxfp4_builds_with_its_codes_as_released(mxfp4_g
         model = onnx.load(engine / "model.onnx")
         nodes = [n for n in model.graph.node if n.op_type == "Experts"]
         assert len(nodes) == 3
-        records = open_engine(engine).manifest.quantization.tensors  # what `llmc inspect` lists
+        manifest = open_engine(engine).manifest
+        # the size the build reserved before any work: the MXFP4 stacks at their own 4.25 bits
+        stored = (engine / manifest.payload.weights).stat().st_size
+        spec, weights = manifest.model_spec, load_checkpoint(folder, manifest.model_spec)[1]
+        estimate = engine_bytes(spec, manifest.build_options, weights.mxfp4_parameters())
+        assert 0.75 < estimate / stored < 1.25, (estimate, stored)
+        records = manifest.quantization.tensors  # what `llmc inspect` lists
         assert sorted(r.format for r in records.values() if r.role == "experts") == ["mxfp4"] * 6
         blobs = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer if i.name.endswith(".mxfp4")}
         for node in nodes:

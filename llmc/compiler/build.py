@@ -158,7 +158,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         say("load", "reading the checkpoint's headers", False)
         hf_model, weights = load_checkpoint(folder, spec)
         num_params = sum(p.numel() for p in hf_model.parameters())
-        writer.reserve(engine_bytes(spec, options))  # or refuse before the export
+        writer.reserve(engine_bytes(spec, options, weights.mxfp4_parameters()))  # or refuse before the export
         stage("load", t, f"{num_params / 1e6:.1f}M parameters")
 
         t = time.perf_counter()
@@ -242,16 +242,19 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
     return BuildResult(output, stages, peak_rss_mb(), manager.misses)
 
 
-# Bytes a stored weight takes per parameter: its value and its block's float16 scale (blocks of 32).
+# Bytes a stored weight takes per parameter: its value and its block's float16 scale (blocks of 32);
+# MXFP4's, a 4-bit code and its block's one-byte scale.
 BYTES_PER_PARAMETER = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1 + 2 / 32, "int6": 0.75 + 2 / 32,
-                       "int4": 0.5 + 2 / 32}
+                       "int4": 0.5 + 2 / 32, "mxfp4": 0.5 + 1 / 32}
 
 
-def engine_bytes(spec: ModelSpec, options: BuildOptions) -> int:
-    """The engine's size on disk, from the config and the options alone (before any work)."""
+def engine_bytes(spec: ModelSpec, options: BuildOptions, mxfp4_parameters: int = 0) -> int:
+    """The engine's size on disk, from the config, the options and the expert stacks the checkpoint
+    holds in MXFP4 (kept so whatever the options), before any work."""
     table = spec.vocab_size * spec.hidden_size
-    body = spec.parameter_count() - table * (1 if spec.tie_word_embeddings else 2)
+    body = spec.parameter_count() - table * (1 if spec.tie_word_embeddings else 2) - mxfp4_parameters
     return int(body * BYTES_PER_PARAMETER[options.format_of("body")]
+               + mxfp4_parameters * BYTES_PER_PARAMETER["mxfp4"]
                + table * BYTES_PER_PARAMETER[options.format_of("embedding")]
                + table * BYTES_PER_PARAMETER[options.format_of("lm_head")])
 

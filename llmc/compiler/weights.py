@@ -65,6 +65,10 @@ class Weights:
         stores it so (KernelLayout), else None."""
         return None
 
+    def mxfp4_parameters(self) -> int:
+        """The weights the checkpoint stores in MXFP4 stacks (which an engine keeps so)."""
+        return 0
+
 
 class SafetensorsWeights(Weights):
     def __init__(self, folder: Path):
@@ -332,6 +336,9 @@ class KernelLayout(Weights):
         w = self.stored.read(name, start, stop)
         stack = self._stack(name)
         return w if stack is None else to_kernel_layout(stack, w, self.transposed, self.interleaved)
+
+    def mxfp4_parameters(self) -> int:
+        return sum(int(np.prod(self.shape(name), dtype=np.int64)) for name in self.mxfp4_stacks)
 
     def mxfp4(self, name: str, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         from llmc.compiler.experts import to_kernel_layout

@@ -66,6 +66,8 @@ class ModelSpec:
         error, left out): what a build compares with the bytes on disk before any work."""
         attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
+        if self.num_experts:  # every layer's experts and router (a dense layer or shared expert among them: close)
+            mlp = self.num_experts * (3 * self.hidden_size * self.expert_intermediate_size + self.hidden_size)
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attention + mlp) + embeddings
 
