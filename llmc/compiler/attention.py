@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
 NAME = "llmc"
 DOMAIN, SINK_OP = "llmc", "SinkAttention"
 
@@ -130,27 +128,18 @@ def _sink_schema_registered() -> None:
 
 def sink_function():
     """llmc::SinkAttention in opset-23 ops: q [B, H, S, D], k and v [B, Hkv, T, D], a boolean mask
-    broadcastable to [B, H, S, T] (True where a key is seen), sinks [H]. The keys and values gain a
-    zero row, whose score the additive mask sets to the head's sink."""
+    broadcastable to [B, H, S, T] (True where a key is seen), sinks [H], as the paged op's function
+    takes them too (paged_attention.emit_sinks)."""
     import onnx_ir as ir
 
     from llmc.ir_builder import OpBuilder
+    from llmc.plugins.paged_attention import emit_sinks
 
     q, k, v, mask, sinks = (ir.Value(name=n) for n in ("q", "k", "v", "mask", "sinks"))
     graph = ir.Graph(inputs=[q, k, v, mask, sinks], outputs=[], nodes=[], opset_imports={"": 23}, name=SINK_OP)
     ops = OpBuilder(graph)
-    extended = []
-    for x in (k, v):
-        shape = ops.Shape(x)
-        zero_row = ops.ConstantOfShape(ops.Concat(ops.Slice(shape, ops.const([0]), ops.const([2])), ops.const([1]),
-                                                  ops.Slice(shape, ops.const([3]), ops.const([4])), axis=0))
-        extended.append(ops.Concat(x, zero_row, axis=2))
-    rows = ops.Concat(ops.Shape(q, start=0, end=3), ops.Shape(k, start=2, end=3), axis=0)  # [B, H, S, T]
-    bias = ops.Expand(ops.Where(mask, ops.const(0.0, np.float32), ops.const(-np.inf, np.float32)), rows)
-    column = ops.Expand(ops.Reshape(sinks, ops.const([1, -1, 1, 1])),
-                        ops.Concat(ops.Shape(q, start=0, end=3), ops.const([1]), axis=0))
-    out = ops.Attention(q, *extended, ops.Concat(bias, column, axis=3),
-                        scale=ir.RefAttr("scale", "scale", ir.AttributeType.FLOAT),
+    keys, values, bias = emit_sinks(ops, q, k, v, mask, sinks, axis=2)
+    out = ops.Attention(q, keys, values, bias, scale=ir.RefAttr("scale", "scale", ir.AttributeType.FLOAT),
                         softcap=ir.RefAttr("softcap", "softcap", ir.AttributeType.FLOAT))
     graph.outputs.append(out)
     out.name = "out"

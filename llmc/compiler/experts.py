@@ -46,15 +46,11 @@ def unsupported(module) -> str | None:
 
 
 def _clamped(module) -> bool:
-    """gpt-oss's experts (its _apply_gate, with alpha and limit), or a family's copy of them."""
-    return type(module)._apply_gate.__qualname__ == "GptOssExperts._apply_gate" or (
-        hasattr(module, "alpha") and hasattr(module, "limit") and "clamp" in _source(type(module)._apply_gate))
-
-
-def _source(fn) -> str:
+    """gpt-oss's experts, or a family's copy of them: alpha and limit, and a gate that clamps."""
     import inspect
 
-    return inspect.getsource(fn)
+    return hasattr(module, "alpha") and hasattr(module, "limit") and "clamp" in inspect.getsource(
+        type(module)._apply_gate)
 
 
 def _activation(module) -> int | None:
@@ -198,9 +194,8 @@ def onnx_translations() -> dict:
 
     def experts(hidden, ids, weights, gate_up, down, gate_up_bias=None, down_bias=None, activation: int = 0,
                 alpha: float = 0.0, limit: float = 0.0):
-        if activation != CLAMPED_SWIGLU:
-            return kernels.Experts(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activation=activation)
+        clamp = dict(alpha=alpha, limit=limit) if activation == CLAMPED_SWIGLU else {}  # only that one's attributes
         return kernels.Experts(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activation=activation,
-                               alpha=alpha, limit=limit)
+                               **clamp)
 
     return {torch.ops.llmc.experts.default: experts}

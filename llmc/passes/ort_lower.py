@@ -43,7 +43,7 @@ class LowerPagedAttention(Rule):
         return pa.emit_layer_attention(
             op, m.q, m.k, m.v, m.cache, self._metadata[window], num_heads=int(_attr(node, "num_heads")),
             num_kv_heads=int(_attr(node, "num_kv_heads")), scale=float(_attr(node, "scale")),
-            softcap=float(_attr(node, "softcap")), sinks=node.inputs[7] if len(node.inputs) > 7 else None)
+            softcap=float(_attr(node, "softcap")), sinks=node.inputs[len(pa.INPUTS)] if len(node.inputs) > len(pa.INPUTS) else None)
 
     def _step_metadata(self, op, window: int) -> pa.StepMetadata:
         spec = self.spec

@@ -178,6 +178,9 @@ class PackedExperts(Rule):
 
     name = "packed_experts"
 
+    def __init__(self):
+        self.records: dict[str, dict] = {}  # the MXFP4 stacks, for the manifest's quantization table
+
     def pattern(self, op, x, ids, weights, gate_up, down):
         return op.Experts(x, ids, weights, gate_up, down, _domain=cpu.DOMAIN, _name="experts", _other_inputs=True)
 
@@ -202,9 +205,6 @@ class PackedExperts(Rule):
                 np.float32, (experts, -(-n // cpu.PANEL), k, cpu.PANEL),
                 lambda a, b, w=w: cpu.pack_experts(w.rows(a, b))), f"{value.name}.packed")
         return op.like(m.experts, m.x, m.ids, m.weights, *stacks.values(), *m.experts.inputs[5:], packed=1)
-
-    def __init__(self):
-        self.records: dict[str, dict] = {}  # the MXFP4 stacks, for the manifest's quantization table
 
     def _mxfp4(self, op, m):
         """Stacks a checkpoint stores in MXFP4: each expert's codes and scales as they are, in the

@@ -139,18 +139,28 @@ def emit_layer_attention(ops, q, k, v, cache, meta: StepMetadata, *, num_heads, 
     q3 = ops.Reshape(ops.Transpose(q, perm=perm), meta.q_rows, allowzero=1)
     mask = meta.mask
     if sinks is not None:
-        keys, values = (ops.Concat(x, ops.ConstantOfShape(ops.Concat(
-            ops.Shape(x, start=0, end=1), const([1]), ops.Shape(x, start=2, end=3), axis=0)), axis=1)
-            for x in (keys, values))
-        rows = ops.Shape(q, start=0, end=3)  # [B, Hq, S]
-        bias = ops.Expand(ops.Where(mask, const(0.0, np.float32), const(-np.inf, np.float32)),
-                          ops.Concat(rows, ops.Shape(mask, start=3, end=4), axis=0))
-        column = ops.Expand(ops.Reshape(sinks, const([1, -1, 1, 1])), ops.Concat(rows, const([1]), axis=0))
-        mask = ops.Concat(bias, column, axis=3)
+        keys, values, mask = emit_sinks(ops, q, keys, values, mask, sinks, axis=1)
     y3 = ops.Attention(q3, keys, values, mask, q_num_heads=num_heads, kv_num_heads=num_kv_heads,
                        scale=scale, softcap=softcap)
     y4 = ops.Reshape(y3, meta.out_heads, allowzero=1)
     return ops.Transpose(y4, perm=perm), cache_out
+
+
+def emit_sinks(ops, q, keys, values, mask, sinks, axis: int):
+    """Attention sinks in standard ops: `keys` and `values` (their positions along `axis`) gain a
+    zero row, and the boolean `mask` (True where a key is seen, broadcastable to [B, Hq, S, T]; q
+    is [B, Hq, S, D]) becomes the additive one [B, Hq, S, T + 1] whose last column, the zero key's
+    score, is each head's sink. Returns (keys, values, mask) for ONNX Attention."""
+    const = ops.const
+    length = ops.Shape(keys, start=axis, end=axis + 1)
+    keys, values = (ops.Concat(x, ops.ConstantOfShape(ops.Concat(
+        ops.Shape(x, start=0, end=axis), const([1]), ops.Shape(x, start=axis + 1), axis=0)), axis=axis)
+        for x in (keys, values))
+    rows = ops.Shape(q, start=0, end=3)  # [B, Hq, S]
+    bias = ops.Expand(ops.Where(mask, const(0.0, np.float32), const(-np.inf, np.float32)),
+                      ops.Concat(rows, length, axis=0))
+    column = ops.Expand(ops.Reshape(sinks, const([1, -1, 1, 1])), ops.Concat(rows, const([1]), axis=0))
+    return keys, values, ops.Concat(bias, column, axis=3)
 
 
 def build_function(sinks: bool = False):
