@@ -75,7 +75,7 @@ def test_shared_system_prompt_hits_the_prefix_cache(llama_engine):
     assert cached[0].prefix_hit_tokens == 0
     assert all(o.prefix_hit_tokens > 0 for o in cached[1:])
     assert llm_on.blocks.stats.hit_tokens == sum(o.prefix_hit_tokens for o in cached)
-    assert llm_on.computed_tokens < llm_off.computed_tokens
+    assert llm_on.core.computed_tokens < llm_off.core.computed_tokens
 
 
 def test_small_pool_preempts_and_still_matches(llama_engine):

@@ -13,7 +13,8 @@ from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.llm import LLM
 from llmc.runtime.request import Request
 from llmc.runtime.sampling import Draws, Sampler, SamplingParams, distribution, sample_from, verify
-from llmc.runtime.speculative import EPOCH, PROBE_STEPS, NgramProposer, Speculator, _Bucket
+from llmc.runtime.proposers import NgramProposer
+from llmc.runtime.speculation import GRID, PLAIN_EVERY, SpeculationPolicy, StepCosts
 from llmc.runtime.step import Row
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=48, chunk_size=16)
@@ -102,13 +103,13 @@ def test_greedy_speculation_in_flight_matches_plain_decoding(code_engines, narro
     assert llm.scheduler.num_preemptions > 0
     # The engine's counts (the server's metrics) see each prompt once and each kept token once,
     # through preemption and recompute and whatever verification kept.
-    assert llm.prompt_tokens == sum(len(o.prompt_token_ids) for o in outs)
-    assert llm.generated_tokens == sum(len(o.token_ids) for o in outs)
+    assert llm.core.prompt_tokens == sum(len(o.prompt_token_ids) for o in outs)
+    assert llm.core.generated_tokens == sum(len(o.token_ids) for o in outs)
     assert any(o.prefix_hit_tokens > 0 for o in outs)
     assert llm.blocks.num_free == llm.blocks.capacity  # rolled-back and finished blocks all returned
     llm.blocks.check([])
     if proposer != "ngram":
-        blocks = llm.speculator.proposer.blocks
+        blocks = llm.core.speculation.proposer.blocks
         assert blocks.num_free == blocks.capacity
 
 
@@ -119,7 +120,7 @@ def test_a_narrow_draft_proposes_only_its_tokens_and_sampling_stays_plain_decodi
     kept = open_engine(narrow_draft).manifest.lm_head_tokens
     assert len(kept) == 512 and list(kept) == sorted(set(kept))
     llm = LLM(target, speculative=str(narrow_draft), speculative_adaptive=False, draft_prompt_lookup=False)
-    proposer = llm.speculator.proposer
+    proposer = llm.core.speculation.proposer
     assert proposer.engine.forward_rows([Row([5], 0, [1])]).shape == (1, 512)
     proposed = []
     propose = proposer.propose
@@ -366,7 +367,7 @@ def test_a_draft_takes_prompt_lookups_proposal_where_there_is_one(code_engines):
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     for lookup in (True, False):
         llm = LLM(target, speculative=str(draft), draft_prompt_lookup=lookup, speculative_adaptive=False)
-        proposer = llm.speculator.proposer
+        proposer = llm.core.speculation.proposer
         looped = Request("looped", 0, None, [5, 6, 7, 8, 5, 6, 7], greedy, llm.tokenizer, llm.eos_ids)
         fresh = Request("fresh", 1, None, list(range(100, 140)), greedy, llm.tokenizer, llm.eos_ids)
         proposer.propose([looped, fresh], [4, 4])
@@ -439,148 +440,150 @@ def test_speculation_never_makes_a_stream_of_misses_slower_in_steps(code_engines
     assert m.proposed_tokens < 3 * len(out.token_ids)
 
 
-@pytest.mark.parametrize("gain", [2.0, 0.5, 1.02])
-def test_the_cap_choice_settles_on_the_fastest_and_measuring_loses_little(gain):
-    """Steps of one second whose tokens depend on the cap: the choice must settle on the cap with
-    the most tokens per second (plain decoding unless speculating beats it by 5%), and what
-    measuring the others loses must stay near the 1% budget."""
-    tokens = {0: 1.0, 1: 1.0 + (gain - 1.0) / 2, 4: gain}
-    bucket = _Bucket([0, 1, 4])
-    steps, got = 5000, 0.0
+class _Row:
+    def __init__(self, name: str, temperature: float = 0.0):
+        self.request_id, self.proposal, self.params = name, [], SamplingParams(temperature=temperature)
+
+
+class _Proposing:
+    """Proposes exactly the k asked for."""
+    def propose(self, rows, ks):
+        for r, k in zip(rows, ks):
+            r.proposal = [0] * k
+
+    def release(self, r):
+        pass
+
+
+def _costs(slope: float) -> StepCosts:
+    """Costs calibrated at `slope`, a plain step measured at 1 second."""
+    costs = StepCosts(slope)
+    costs.observe((False, 1), 1, 1.0)
+    costs.observe((True, 1), 1, 1.0)
+    return costs
+
+
+def _simulate(policy, steps, cost, kept, rows=None):
+    """Decode `steps` steps; cost(s) is a step's seconds with rows s tokens long, kept(k) how many of k
+    proposals a row keeps. Returns (output tokens, seconds, steps that proposed)."""
+    rows = rows or [_Row("a")]
+    tokens = seconds = proposing = 0
     for _ in range(steps):
-        got += tokens[bucket.cap]
-        bucket.record({c: tokens[c] for c in bucket.caps if c <= bucket.cap}, 1.0)
-    best = 4 if gain > 1.05 else 0
-    assert bucket.best() == best
-    assert got >= 0.98 * tokens[best] * steps
+        policy.propose(rows, lambda r: 10_000)
+        s = 1 + max(len(r.proposal) for r in rows)
+        proposing += s > 1
+        for r in rows:
+            if r.proposal:
+                got = kept(len(r.proposal))
+                policy.verified(r, len(r.proposal), got)
+                tokens += got
+            tokens += 1
+            r.proposal = []
+        took = cost(s)
+        seconds += took
+        policy.step_done(rows, s, took)
+    return tokens, seconds, proposing
 
 
-def test_smaller_caps_are_counted_on_the_running_caps_steps():
-    """A step at cap 8 that kept a row's 8 proposals would have kept 1 at cap 1 and none at cap 0:
-    those counts go into the smaller caps' tokens a step, so every cap is judged on the text the
-    best one runs on, not only on the few steps of its own measurements."""
-    seconds = {0: 1.0, 1: 1.1, 8: 1.8}
-    bucket = _Bucket([0, 1, 8])
-    for _ in range(3 * PROBE_STEPS):  # the first measurement of each cap, on text it copies
-        bucket.record({c: min(8, c) + 1 for c in bucket.caps if c <= bucket.cap}, seconds[bucket.cap])
-    assert bucket.cap == 8 and bucket.tokens[1].value == 2.0
-    for _ in range(EPOCH):  # cap 8 on text where every proposal misses
-        bucket.record({0: 1, 1: 1, 8: 1}, seconds[8])
-    # Cap 1 missed there too, though it did not run: judged on its own measurement alone it would
-    # still show 2 tokens a step, and with them the best rate.
-    assert bucket.tokens[0].value == 1.0 and bucket.tokens[1].value < 1.5
+def test_a_one_shot_request_speculates_its_whole_k_from_the_first_step():
+    """Verifying 9 tokens measured at 1.2x a plain step: a new request, hopeful, proposes all 8
+    at once, with no steps spent measuring first (but the first step of all, which measures a
+    plain step)."""
+    policy = SpeculationPolicy(_Proposing(), 8, StepCosts(0.2 / 8))
+    row = _Row("a")
+    policy.propose([row], lambda r: 100)
+    assert not row.proposal
+    policy.step_done([row], 1, 1.0)
+    policy.propose([row], lambda r: 100)
+    assert len(row.proposal) == 8
+    row.proposal = []
+    policy.propose([row], lambda r: 3)  # but never more than can still be kept
+    assert len(row.proposal) == 2
 
 
-def test_a_held_up_step_does_not_keep_the_best_cap_from_running():
-    """One step held up 200 times over (a page fault, another process) inside the first
-    measurement of k must not make k, the fastest cap, wait out most of the run."""
-    seconds, tokens = {0: 1.0, 1: 1.4, 4: 2.0}, {0: 1.0, 1: 1.9, 4: 3.8}
-    bucket = _Bucket([0, 1, 4])
-    steps, at_k, held = 3000, 0, False
-    for _ in range(steps):
-        at_k += bucket.cap == 4
-        took = seconds[bucket.cap]
-        if bucket.cap == 4 and not held:
-            took, held = 200 * took, True
-        bucket.record({c: tokens[c] for c in bucket.caps if c <= bucket.cap}, took)
-    assert at_k >= 0.95 * steps
+def test_rows_whose_proposals_miss_pause_and_probe_rarely():
+    policy = SpeculationPolicy(_Proposing(), 8, _costs(0.02))
+    tokens, seconds, proposing = _simulate(policy, 2000, lambda s: 1.0 + 0.02 * (s - 1), lambda k: 0)
+    assert proposing < 0.03 * 2000
+    assert tokens / seconds > 0.98  # plain decoding's rate is 1 token a second
 
 
-def test_a_cap_whose_steps_only_sometimes_propose_pays_for_those_steps():
-    """Where rows mostly pause, a cap's steps are plain ones with a dearer one now and then; the
-    dearer ones are its cost and must count (a median step counted none of them)."""
-    bucket = _Bucket([0, 1, 4])
-    for _ in range(60 * PROBE_STEPS):
-        if bucket.cap == 0:
-            bucket.record({0: 1.0}, 1.0)
-        else:  # one step in four proposes, at 3x a plain step, and gains a token
-            for i in range(PROBE_STEPS if bucket.probing else EPOCH):
-                dear = i % 4 == 0
-                bucket.record({c: 1.0 + dear for c in bucket.caps if c <= bucket.cap}, 3.0 if dear else 1.0)
-    assert bucket.best() == 0 and bucket.rates[1] < bucket.rates[0]
+@pytest.mark.parametrize("slope", [0.05, 0.3, 1.0])
+def test_live_step_costs_decide_where_the_calibration_was_wrong(slope):
+    """Calibrated at a slope of 0.02, the live steps cost 1 + slope * (s - 1) (another process on
+    the cores, say); rows keep each proposal with chance 0.6. The policy must follow the live costs:
+    come near the best fixed k where verifying is cheap, and lose at most 3% to plain decoding
+    where it is dear (at a slope of 1, verifying 9 tokens costs 9 plain steps)."""
+    rng = np.random.default_rng(0)
+
+    def kept(k):
+        n = 0
+        while n < k and rng.random() < 0.6:
+            n += 1
+        return n
+
+    policy = SpeculationPolicy(_Proposing(), 8, _costs(0.02))
+    tokens, seconds, _ = _simulate(policy, 3000, lambda s: 1.0 + slope * (s - 1), kept)
+    rate = tokens / seconds  # plain decoding: 1 token a second
+    best = max((1 - 0.6 ** (k + 1)) / 0.4 / (1 + slope * k) for k in range(9))
+    assert rate >= max(0.97, 0.93 * best)
+    if best > 1.1:  # it kept verifying, and so measuring the slope
+        assert policy.costs.slope((False, 1)) == pytest.approx(slope, rel=0.25)
+    else:  # it stopped once the slope it measured said no k pays at this acceptance
+        assert policy._table((False, 1))[round(0.6 * GRID)] == 0
 
 
-@pytest.mark.parametrize("probe_without_matches", [False, True])
-def test_a_new_best_cap_is_measured_against_soon(probe_without_matches):
-    """While k is far ahead, measuring plain decoding buys a long wait. When a stretch without
-    matches makes plain decoding the best, that wait must not carry over: once matches return, k
-    runs again within a few measurement lengths, not after the wait k's lead had bought. Nor after
-    the wait that one measurement of k inside the stretch buys: its loss is k's pooled rate's."""
-    bucket = _Bucket([0, 1, 4])
-    seconds = {0: 1.0, 1: 1.1, 4: 1.3}
-    matches, none = {0: 1.0, 1: 1.8, 4: 3.5}, {0: 1.0, 1: 1.0, 4: 1.0}
-
-    def step(tokens):
-        bucket.record({c: tokens[c] for c in bucket.caps if c <= bucket.cap}, seconds[bucket.cap])
-
-    while not (bucket.running == 4 and bucket.waits.get(0, 0.0) > 300):  # k far ahead, just after a look at plain decoding
-        step(matches)
-    while bucket.running != 0:  # no matches: plain decoding becomes the best
-        step(none)
-    if probe_without_matches:  # and k is measured once more before matches come back
-        while not (bucket.cap == 4 and bucket.probing):
-            step(none)
-        while bucket.cap == 4:
-            step(none)
-    steps = 0
-    while not (bucket.cap == 4 and not bucket.probing):  # matches again
-        step(matches)
-        steps += 1
-    assert steps <= 10 * EPOCH  # (it was 500-650 steps with the wait carried over)
+def test_a_held_up_step_moves_the_costs_little():
+    """One step held up 200x over (a page fault, another process) must not stop a request that
+    keeps everything from proposing its whole k."""
+    costs = _costs(0.02)
+    policy = SpeculationPolicy(_Proposing(), 8, costs)
+    row = _Row("a")
+    for i in range(40):
+        policy.propose([row], lambda r: 100)
+        assert len(row.proposal) == 8 or costs.plain_due((False, 1)) or i == 21
+        s = 1 + len(row.proposal)
+        policy.verified(row, len(row.proposal), len(row.proposal))
+        row.proposal = []
+        policy.step_done([row], s, (1.0 + 0.02 * (s - 1)) * (200 if i == 20 else 1))
+    assert costs.slope((False, 1)) < 0.3
 
 
-def test_a_drafts_catch_up_is_left_out_of_its_own_step_only():
-    """The seconds a draft spends catching up on a new prompt are taken out of that step's time,
-    and out of no other: a plain step after it (cap 0, nothing proposed) keeps its whole time."""
-    import time
-    from types import SimpleNamespace
-
-    class CatchingUp:  # every proposal starts with 20 ms of catch-up
-        def propose(self, rows, ks):
-            time.sleep(0.02)
-            for r in rows:
-                r.proposal = []
-            return 0.02
-
-    spec = Speculator(CatchingUp(), 4)
-    row = SimpleNamespace(request_id="a", proposal=[], params=SamplingParams())
-    steps = []  # (the step's cap, its recorded seconds)
-    for _ in range(40):
-        spec.propose([row], lambda r: 100)
-        bucket = spec._buckets[False, 1]
-        cap = bucket.cap
-        time.sleep(0.001)  # the step's own work
-        spec.step_done(1)
-        if bucket.steps:  # an epoch's last step goes into its rates, not bucket.steps
-            steps.append((cap, bucket.steps[-1]))
-    assert {cap for cap, _ in steps} >= {0, 4}
-    assert all(0.0009 < seconds < 0.015 for _, seconds in steps)  # whole, and without the 20 ms
+def test_plain_steps_keep_each_kinds_plain_cost_current():
+    """Where every step speculates, one in PLAIN_EVERY decodes plainly so the plain cost every
+    decision divides by is this minute's; a new kind of step (a batch size, sampling) measures it
+    first."""
+    policy = SpeculationPolicy(_Proposing(), 4, _costs(0.02))
+    _, _, proposing = _simulate(policy, 10 * PLAIN_EVERY, lambda s: 1.0 + 0.02 * (s - 1), lambda k: k)
+    assert 10 * PLAIN_EVERY - 11 <= proposing < 10 * PLAIN_EVERY
+    rows = [_Row("b", temperature=1.0)]
+    policy.propose(rows, lambda r: 100)
+    assert rows[0].proposal  # sampled, batch 1: measured already; batch 2 was not
+    pair = [_Row("c"), _Row("d")]
+    policy.propose(pair, lambda r: 100)
+    assert not any(r.proposal for r in pair) and (False, 2) not in policy.costs.plain
+    policy.step_done(pair, 1, 1.5)
+    policy.propose(pair, lambda r: 100)
+    assert all(r.proposal for r in pair)
 
 
-def test_sampled_rows_choose_their_cap_on_their_own_measurements():
-    """Greedy steps that found k the best say nothing about sampled ones, where proposals are
-    accepted by p/q and cost more to check: a sampled step starts its own measurements."""
-    from types import SimpleNamespace
-
-    class Proposing:
-        def propose(self, rows, ks):
-            for r, k in zip(rows, ks):
-                r.proposal = [0] * k
-            return 0.0
-
-    spec = Speculator(Proposing(), 4)
-    greedy = SimpleNamespace(request_id="g", proposal=[], params=SamplingParams())
-    for _ in range(3 * PROBE_STEPS + EPOCH):  # every proposal kept: k is by far the best
-        spec.propose([greedy], lambda r: 100)
-        spec.verified(greedy, len(greedy.proposal), len(greedy.proposal))
-        spec.step_done(1 + len(greedy.proposal))
-    assert spec._buckets[False, 1].best() == 4
-    sampled = SimpleNamespace(request_id="s", proposal=[],
-                              params=SamplingParams(temperature=1.0))
-    spec.propose([sampled], lambda r: 100)  # measured from the start: one token, not the greedy steps' 4
-    assert len(sampled.proposal) == 1 and not spec._buckets[True, 1].seconds
-    spec.propose([greedy, sampled], lambda r: 100)  # a batch with a sampled row is a sampled step
-    assert (True, 2) in spec._buckets and (False, 2) not in spec._buckets
+def test_a_batch_speculates_only_where_its_longest_row_pays():
+    """At batch 2 the longest row sets the step's cost: one row that keeps everything and one
+    that keeps nothing, on steps that grow fast with length, may not make both pay for k."""
+    costs = _costs(0.02)
+    costs.observe((False, 2), 1, 1.0)
+    costs.prior = 0.2  # 0.4 at batch 2
+    policy = SpeculationPolicy(_Proposing(), 8, costs)
+    good, bad = _Row("good"), _Row("bad")
+    for r, acceptance in ((good, 0.95), (bad, 0.05)):
+        policy.propose([r], lambda r: 100)  # registers the row
+        state = policy._rows[r.request_id]
+        state.hits, state.trials = acceptance, 1.0
+        r.proposal = []
+    policy.propose([good, bad], lambda r: 100)
+    k = len(good.proposal)
+    rates = [(1 + (1 - 0.95 ** (j + 1)) / 0.05) / (1 + 0.4 * j) for j in range(9)]
+    assert rates[k] >= 0.97 * max(rates)
 
 
 def test_sliding_window_model_speculates_losslessly(engines):
@@ -647,43 +650,3 @@ def test_token_logprob_is_the_raw_log_softmax():
     assert entry.top == ((3, pytest.approx(expected[3])), (0, pytest.approx(expected[0])))
     with pytest.raises(RequestError, match="logprobs must be an int from 0 to 20"):
         SamplingParams(logprobs=21)
-
-
-def test_where_plain_decoding_is_best_the_speculator_only_times_the_steps(monkeypatch):
-    """Proposals that always miss, at 1.5x a plain step: plain decoding wins, and between the
-    measurements of the other caps a step costs the speculator its timing alone. Plain decoding's
-    own rate is measured on those steps, not in an epoch of the speculator's bookkeeping after each
-    wait."""
-    from types import SimpleNamespace
-
-    import llmc.runtime.speculative as speculative
-
-    clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr(speculative.time, "perf_counter", lambda: clock.now)
-
-    class Missing:
-        def propose(self, rows, ks):
-            for r, k in zip(rows, ks):
-                r.proposal = [0] * k
-            return 0.0
-
-        def release(self, r):
-            pass
-
-    spec = Speculator(Missing(), 4)
-    row = SimpleNamespace(request_id="a", proposal=[], params=SamplingParams())
-    steps, bookkept = 3000, 0
-    for i in range(steps):
-        if i % 100 == 0:  # a new request every 100 steps: its estimate starts hopeful
-            spec.release(row)
-        if not spec.plain([row]):
-            bookkept += 1
-            spec.propose([row], lambda r: 100)
-        proposed = len(row.proposal)
-        clock.now += 1.5 if proposed else 1.0
-        if proposed:
-            spec.verified(row, proposed, 0)
-        row.proposal = []
-        spec.step_done(1)
-    assert spec._buckets[False, 1].best() == 0
-    assert bookkept < 0.05 * steps  # 10% when plain decoding was measured in epochs of its own

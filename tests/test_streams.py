@@ -15,7 +15,7 @@ import pytest
 from conftest import settle_async as _settle
 from llmc.errors import RequestError
 from llmc.runtime.async_llm import AsyncLLM
-from llmc.runtime.llm import LONG_TEXT
+from llmc.runtime.prompts import LONG_TEXT
 from llmc.runtime.sampling import SamplingParams
 
 TIMEOUT = 30  # seconds; each workload takes about one

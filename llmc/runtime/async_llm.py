@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from llmc.errors import RequestError, first_line
-from llmc.runtime.llm import LLM, LONG_TEXT, Prompt
+from llmc.runtime.llm import LLM
+from llmc.runtime.prompts import LONG_TEXT, Prompt
 from llmc.runtime.request import RequestOutput
 from llmc.runtime.sampling import SamplingParams
 

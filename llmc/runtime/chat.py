@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from llmc.errors import LlmcError, RequestError, check_unicode, first_line
-from llmc.runtime.llm import Prompt
+from llmc.runtime.prompts import Prompt
 
 # The template variables the renderer sets itself (and raise_exception, its global).
 RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",

@@ -25,6 +25,12 @@ class RequestTimes:
     proposed_tokens: int = 0  # speculative proposals verified
     accepted_tokens: int = 0  # of which the target kept
 
+    def verified(self, proposed: int, accepted: int) -> None:
+        """A decode step that verified `proposed` tokens and kept `accepted`."""
+        self.decode_steps += 1
+        self.proposed_tokens += proposed
+        self.accepted_tokens += accepted
+
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None

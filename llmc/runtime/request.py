@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from llmc.runtime.detokenize import IncrementalDetokenizer, find_stop, stop_holdback
 from llmc.runtime.metrics import RequestTimes
-from llmc.runtime.sampling import Draws, SamplingParams
+from llmc.runtime.sampling import Draws, SamplingParams, token_logprob
 
 
 class Status(enum.Enum):
@@ -103,6 +103,17 @@ class Request:
         if len(out.token_ids) >= self.params.max_tokens or len(self.token_ids) >= max_context:
             out.text += self.detok.flush()
             out.finish_reason = "length"
+
+    def extend(self, tokens: list[int], logits, max_context: int) -> int:
+        """Append a step's tokens (one sampled, or what verification kept), logits[j] the row
+        token j was chosen from, up to one that finishes the request; returns how many it took."""
+        for j, token in enumerate(tokens):
+            if self.out.logprobs is not None:
+                self.out.logprobs.append(token_logprob(logits[j], token, self.params.logprobs))
+            self.append(token, time.perf_counter(), max_context)  # each token its own time: ITL per token
+            if self.out.finished:
+                return j + 1
+        return len(tokens)
 
     def deltas(self) -> list[str]:
         """Text not streamed yet, one piece per token (a speculative step adds several), holding

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from llmc.errors import RequestError, first_line
 from llmc.runtime.async_llm import AsyncLLM, tokenizing
 from llmc.runtime.chat import ChatTemplate
-from llmc.runtime.llm import Prompt
+from llmc.runtime.prompts import Prompt
 from llmc.runtime.request import RequestOutput
 from llmc.server.prometheus import ServerMetrics
 from llmc.server.protocol import UNION_MEMBERS, ChatCompletionRequest, CompletionRequest, _Sampling, error_body

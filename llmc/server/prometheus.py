@@ -48,8 +48,8 @@ class _EngineState:
                       scheduler.num_preemptions)
         # Counted by the engine as it works, as vLLM counts them: an aborted request's tokens are
         # the ones the engine generated, not the ones its client read.
-        yield counter("vllm:prompt_tokens", "Prompt tokens prefilled (each request once).", llm.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Tokens generated.", llm.generated_tokens)
+        yield counter("vllm:prompt_tokens", "Prompt tokens prefilled (each request once).", llm.core.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Tokens generated.", llm.core.generated_tokens)
 
 
 class ServerMetrics:
