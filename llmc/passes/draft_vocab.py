@@ -6,7 +6,7 @@ rare ones. On a small draft the LM head (hidden x vocab) is most of a step's wor
 per proposed token is what a draft costs, so keeping N of V columns makes every proposal
 cheaper. The build ranks the tokens by their count in text (`llmc.compiler.build`); the kept ids,
 ascending, become the manifest's `lm_head_tokens`: logits column j is token lm_head_tokens[j].
-An engine with them only proposes (`llmc.runtime.speculative`); LLM refuses it as a target.
+An engine with them only proposes (`llmc.runtime.proposers`); LLM refuses it as a target.
 """
 
 from __future__ import annotations
