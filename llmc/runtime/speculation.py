@@ -89,14 +89,15 @@ class StepCosts:
         self.plain: dict[Kind, deque[float]] = {}
         self.slopes: dict[Kind, deque[float]] = {}
         self.since_plain: dict[Kind, int] = {}
+        self._median: dict[tuple[str, Kind], float] = {}  # kept as they change, read every step
 
     def slope(self, kind: Kind) -> float:
-        samples = self.slopes.get(kind)
-        if samples is None:
+        c = self._median.get(("slope", kind))
+        if c is None:
             # A batch of b rows grows by b tokens a proposal: compute-bound sooner. The prior counts
             # as two measurements, so one verify step cannot overrule it alone.
-            samples = self.slopes[kind] = deque([min(1.0, self.prior * kind[1])] * 2, WINDOW)
-        return statistics.median(samples)
+            c = self._add("slope", self.slopes, kind, min(1.0, self.prior * kind[1]), 2)
+        return c
 
     def plain_due(self, kind: Kind) -> bool:
         """Whether this step should decode plainly to measure T(1): never measured, or long ago."""
@@ -106,13 +107,18 @@ class StepCosts:
         """A decode step of `kind` whose longest row was s tokens took `seconds`, all of it."""
         if s == 1:
             self.since_plain[kind] = 0
-            self.plain.setdefault(kind, deque(maxlen=WINDOW)).append(seconds)
+            self._add("plain", self.plain, kind, seconds)
             return
         self.since_plain[kind] = self.since_plain.get(kind, 0) + 1
         if kind in self.plain:
             self.slope(kind)  # the prior first
-            plain = statistics.median(self.plain[kind])
-            self.slopes[kind].append(max(0.0, (seconds / plain - 1.0) / (s - 1)))
+            self._add("slope", self.slopes, kind, max(0.0, (seconds / self._median["plain", kind] - 1.0) / (s - 1)))
+
+    def _add(self, name: str, samples: dict[Kind, deque[float]], kind: Kind, value: float, times: int = 1) -> float:
+        window = samples.setdefault(kind, deque(maxlen=WINDOW))
+        window.extend([value] * times)
+        median = self._median[name, kind] = statistics.median(window)
+        return median
 
 
 def _plain_seconds(engine: Engine) -> float:
