@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llmc.contract.options import ServerOptions
 from llmc.errors import RequestError, first_line
 from llmc.runtime.async_llm import AsyncLLM, tokenizing
 from llmc.runtime.chat import ChatTemplate
@@ -143,7 +144,7 @@ class _Server:
 
 
 def create_app(engine_dir: str | Path, *, model: str | None = None, options: dict | None = None,
-               chat_template: str | Path | None = None, max_waiting: int = 256,
+               chat_template: str | Path | None = None, max_waiting: int = ServerOptions.max_waiting,
                load_before_serving: bool = False) -> FastAPI:
     """`load_before_serving`: the app starts only once the engine is loaded (a replica behind a
     router, which must not be sent requests it would answer 503); otherwise it answers at once and
