@@ -8,7 +8,8 @@ validation here reads the same choices and bounds.
 `BuildOptions` shape the engine; the manifest records them (with `max_context` resolved), so a
 variant of an engine is `dataclasses.replace(manifest.build_options, ...)` built again.
 `RuntimeOptions` shape a running `LLM`; `llmc tune` writes the tunable ones to tuning.json and
-`LLM` reads them back. Both validate on construction: a bad value is a one-line LlmcError.
+`LLM` reads them back. `ServerOptions` shape `llmc serve`. Each validates on construction: a bad
+value is a one-line LlmcError.
 Where the machine is the limit it is the bound: num_threads by its CPUs, kv_cache_bytes by its memory.
 """
 
