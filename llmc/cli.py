@@ -5,14 +5,15 @@ User errors (LlmcError) print one line `error: ...` and exit 2, without a traceb
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
 import click
 
+from llmc.cli_options import build_options, grouped, runtime_options, server_options
 from llmc.compiler.recipes import DEFAULT_RECIPE as DEFAULT_MODEL
 from llmc.errors import LlmcError, RequestError
+from llmc.runtime.sampling import SamplingParams
 from llmc.version import __version__
 
 
@@ -38,77 +39,46 @@ def main():
 @click.argument("model", default=DEFAULT_MODEL)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Engine directory to write (default: engines/<model name>).")
-@click.option("--block-size", default=16, show_default=True, help="KV cache block size in tokens.")
-@click.option("--max-context", type=int, default=None,
-              help="Longest sequence (prompt + output) the engine serves [default: model max, at most 4096].")
-@click.option("--disable-pass", "disable_passes", multiple=True, help="Skip an optional pass (repeatable).")
 @click.option("--passes", "list_passes", is_flag=True, help="List the passes and exit.")
-@click.option("--verify/--no-verify", default=False, show_default=True,
-              help="Check every pass numerically against the graph before it.")
 @click.option("--dump-ir", type=click.Path(path_type=Path), default=None,
               help="Write the graph after each pass into this folder.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine at the output path.")
 @click.option("--explain", is_flag=True, help="List every rule that matched a candidate but did not fire, and why.")
-@click.option("--lossless-weights", is_flag=True,
-              help="Also store the weights in a lossless format 12.5% smaller that batch-1 to 8 decode reads "
-                   "(same outputs, faster tokens; the engine holds both copies).")
-@click.option("--quant", default="none", show_default=True, metavar="none|int8|int6|int4",
-              help="Quantize the projections' weights in blocks (integer GEMMs, activations quantized on the fly).")
-@click.option("--quant-block-size", default=32, show_default=True, help="Weights per quantization block: 32, 64 or 128.")
-@click.option("--asymmetric", is_flag=True, help="Asymmetric blocks (a zero point each) instead of symmetric ones.")
-@click.option("--quant-method", default="search", show_default=True, metavar="rtn|search|awq",
-              help="rtn: round to nearest; search: per-block scale search (data-free); awq: activation-aware, "
-                   "calibrated on --calibrate.")
-@click.option("--calibrate", default=None, metavar="FILE",
-              help="Text for --quant-method awq's activation statistics [default: the held-out corpus] and "
-                   "--draft-vocab's token counts [default: the corpus' training split].")
-@click.option("--lm-head", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16|int8|int6|int4",
-              help="The LM head's format (auto: int6 in an int4 build, int8 in an int8 one, else --weight-dtype).")
-@click.option("--embedding", default="auto", show_default=True, metavar="auto|fp32|bf16|fp16|int8",
-              help="The embedding table's format (auto: int8 in a quantized build, else --weight-dtype).")
-@click.option("--weight-dtype", default="fp32", show_default=True, metavar="fp32|bf16|fp16",
-              help="Storage of the weights not quantized (16-bit storage, fp32 arithmetic).")
-@click.option("--kv-cache-dtype", default="auto", show_default=True, metavar="auto|fp32|fp16|bf16|int8",
-              help="KV cache storage (int8: per token and head scales); the pool holds more tokens per byte "
-                   "(auto: fp16 when weights are quantized or 16-bit, else fp32).")
-@click.option("--backend", default="onnxruntime", show_default=True, metavar="onnxruntime|tensorrt",
-              help="ONNX Runtime with llmc's CPU kernels, or a TensorRT plan with llmc's attention plugin "
-                   "(needs TensorRT and a GPU: pip install 'llmc[trt]').")
-@click.option("--precision", default="auto", show_default=True, metavar="auto|fp16|bf16",
-              help="What a TensorRT engine computes in [auto: fp16]; the CPU backend computes in fp32.")
-@click.option("--draft-vocab", type=int, default=None, metavar="N",
-              help="Build a speculative draft whose LM head scores only the N most frequent tokens (in "
-                   "--calibrate's text): cheaper proposals, verified by the target as any others. Such an "
-                   "engine only serves as --speculative.")
-def build(model, output, block_size, max_context, disable_passes, list_passes, verify, dump_ir, overwrite,
-          explain, lossless_weights, quant, quant_block_size, asymmetric, quant_method, calibrate, lm_head, embedding,
-          weight_dtype, kv_cache_dtype, backend, precision, draft_vocab):
+@build_options()
+def build(model, output, list_passes, dump_ir, overwrite, explain, options):
     """Compile MODEL (a recipe name, a local HF folder or a hub id) into an engine."""
-    from llmc.contract.options import BuildOptions
-
-    options = BuildOptions(block_size=block_size, max_context=max_context, disable_passes=tuple(disable_passes),
-                           verify=verify, lossless_weights=lossless_weights, quant=quant,
-                           quant_block_size=quant_block_size, quant_symmetric=not asymmetric,
-                           quant_method=quant_method, calibrate=calibrate, lm_head=lm_head, embedding=embedding,
-                           weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, backend=backend,
-                           precision=precision, draft_vocab=draft_vocab)
     if list_passes:
-        from llmc.passes.pipeline import phases
-
-        for phase in phases(options):
-            if not phase.passes:
-                continue
-            click.echo(f"{phase.name}:")
-            for p in phase.passes:
-                tag = " (required)" if p.required else ""
-                click.echo(f"  {p.name:20s} {p.description}{tag}")
+        _print_passes(options)
         return
     from rich.console import Console
 
+    console = Console(stderr=True, highlight=False)
+    result = _build_with_progress(console, model, output or Path("engines") / Path(model).name, options,
+                                  overwrite=overwrite, dump_ir=dump_ir)
+    total = sum(s.seconds for s in result.stages)
+    console.print(f"engine written to [bold]{result.engine_dir}[/] in {total:.1f}s "
+                  f"(peak RSS {result.peak_rss_mb:.0f} MB)")
+    if explain:
+        _print_near_misses(console, result.misses)
+
+
+def _print_passes(options) -> None:
+    """`llmc build --passes`: the pipeline these options make, phase by phase."""
+    from llmc.passes.pipeline import phases
+
+    for phase in phases(options):
+        if not phase.passes:
+            continue
+        click.echo(f"{phase.name}:")
+        for p in phase.passes:
+            tag = " (required)" if p.required else ""
+            click.echo(f"  {p.name:20s} {p.description}{tag}")
+
+
+def _build_with_progress(console, model: str, output: Path, options, *, overwrite: bool, dump_ir: Path | None):
+    """Builds, the running stage in a spinner and each finished one on its own line."""
     from llmc.compiler.build import build as run_build
 
-    output = output or Path("engines") / Path(model).name
-    console = Console(stderr=True, highlight=False)
     with console.status(f"building {model}") as status:
         def progress(stage: str, message: str, finished: bool) -> None:
             if finished:
@@ -116,42 +86,34 @@ def build(model, output, block_size, max_context, disable_passes, list_passes, v
             else:
                 status.update(f"[bold]{stage}[/] {message}")
 
-        result = run_build(model, output, options, overwrite=overwrite, dump_ir=dump_ir, progress=progress)
-    total = sum(s.seconds for s in result.stages)
-    console.print(f"engine written to [bold]{result.engine_dir}[/] in {total:.1f}s "
-                  f"(peak RSS {result.peak_rss_mb:.0f} MB)")
-    if explain:
-        console.print(f"{len(result.misses)} near-misses" + (":" if result.misses else ""))
-        for name, why in result.misses:
-            console.print(f"  {name}: {why}", markup=False)
+        return run_build(model, output, options, overwrite=overwrite, dump_ir=dump_ir, progress=progress)
+
+
+def _print_near_misses(console, misses: list) -> None:
+    console.print(f"{len(misses)} near-misses" + (":" if misses else ""))
+    for name, why in misses:
+        console.print(f"  {name}: {why}", markup=False)
 
 
 @main.command()
 @click.argument("engine", type=click.Path(path_type=Path))
 @click.argument("prompt")
-@click.option("--max-tokens", default=64, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True)
-@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--max-tokens", default=SamplingParams.max_tokens, show_default=True)
+@click.option("--temperature", default=SamplingParams.temperature, show_default=True, help="0 = greedy.")
+@click.option("--top-k", default=SamplingParams.top_k, show_default=True)
+@click.option("--top-p", default=SamplingParams.top_p, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (for benchmarks).")
-@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
-@click.option("--speculative", default=None,
-              help="Speculative decoding: ngram (prompt lookup) or a draft engine's directory.")
-@click.option("--num-speculative-tokens", type=int, default=None,
-              help="Most tokens proposed per request and step [default: tuning.json, else 8].")
+@runtime_options("num_threads", "speculative", "num_speculative_tokens")
 @click.option("--no-tuning", is_flag=True, help="Ignore the engine's tuning.json (written by `llmc tune`).")
-def run(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, threads, speculative,
-        num_speculative_tokens, no_tuning):
+def run(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, runtime, no_tuning):
     """Stream a completion of PROMPT from ENGINE."""
     from llmc.runtime.llm import LLM
-    from llmc.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, stop=tuple(stop), ignore_eos=ignore_eos)
-    llm = LLM(engine, num_threads=threads, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-              use_tuning=not no_tuning)
+    llm = LLM(engine, **runtime, use_tuning=not no_tuning)
     if llm.tuning is not None:
         from llmc.contract.tuning import tuning_line
 
@@ -176,15 +138,13 @@ def run(engine, prompt, max_tokens, temperature, top_k, top_p, seed, stop, ignor
 @click.option("--temperature", default=0.7, show_default=True)
 @click.option("--top-p", default=0.9, show_default=True)
 @click.option("--seed", type=int, default=None)
-@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
-@click.option("--speculative", default=None, help="ngram or a draft engine's directory.")
-def chat(engine, chat_template, system, max_tokens, temperature, top_p, seed, threads, speculative):
+@runtime_options("num_threads", "speculative")
+def chat(engine, chat_template, system, max_tokens, temperature, top_p, seed, runtime):
     """Chat with ENGINE in the terminal through its chat template (`/reset` forgets, Ctrl-D ends)."""
     from llmc.runtime.chat import ChatTemplate
     from llmc.runtime.llm import LLM
-    from llmc.runtime.sampling import SamplingParams
 
-    llm = LLM(engine, num_threads=threads, speculative=speculative)
+    llm = LLM(engine, **runtime)
     template = ChatTemplate.of(llm, chat_template)
     if template is None:
         raise LlmcError(f"engine {engine} has no chat template; pass one with --chat-template FILE")
@@ -239,38 +199,33 @@ def summary_line(output) -> str:
 
 def _workload_options(num_requests: int, prompt_len: str, output_len: str, qps: str, repeats: int):
     """The workload flags `bench` and `tune` share; the command gets them as one WorkloadArgs."""
-    options = [
-        click.option("--num-requests", default=num_requests, show_default=True, help="Requests per run."),
-        click.option("--prompt-len", default=prompt_len, show_default=True,
-                     help="Prompt tokens: N, LO-HI (uniform) or normal:MEAN:STD."),
-        click.option("--output-len", default=output_len, show_default=True,
-                     help="Output tokens (EOS is ignored): N, LO-HI or normal:MEAN:STD."),
-        click.option("--shared-prefix", default=0, show_default=True,
-                     help="Tokens of a shared prefix (system prompt) every prompt starts with."),
-        click.option("--num-prefixes", default=1, show_default=True, help="Distinct shared prefixes, round robin."),
-        click.option("--qps", default=qps, show_default=True,
-                     help="Poisson arrival rate in requests/s, a sweep like 1,4,max, or max (all at once)."),
-        click.option("--max-concurrency", type=int, default=None, help="Most requests in flight (client side)."),
-        click.option("--seed", default=0, show_default=True, help="Seeds lengths, prompt tokens and arrivals."),
-        click.option("--warmup", default=4, show_default=True, help="Unmeasured warm-up requests per engine."),
-        click.option("--repeats", default=repeats, show_default=True, help="Measured runs per rate (per trial)."),
-        click.option("--slo", default=None, help="SLOs for goodput, e.g. ttft=500ms,tpot=50ms (ttft, tpot, itl, e2e)."),
-    ]
+    def flag(name: str, **kwargs):  # WorkloadArgs' field `name` as --name-with-dashes
+        return name, click.option("--" + name.replace("_", "-"), name, **kwargs)
 
-    def decorate(command):
-        @functools.wraps(command)  # keeps the options declared below this decorator
-        def with_workload(**kwargs):
-            from llmc.bench.commands import WorkloadArgs
+    options = dict([
+        flag("num_requests", default=num_requests, show_default=True, help="Requests per run."),
+        flag("prompt_len", default=prompt_len, show_default=True,
+             help="Prompt tokens: N, LO-HI (uniform) or normal:MEAN:STD."),
+        flag("output_len", default=output_len, show_default=True,
+             help="Output tokens (EOS is ignored): N, LO-HI or normal:MEAN:STD."),
+        flag("shared_prefix", default=0, show_default=True,
+             help="Tokens of a shared prefix (system prompt) every prompt starts with."),
+        flag("num_prefixes", default=1, show_default=True, help="Distinct shared prefixes, round robin."),
+        flag("qps", default=qps, show_default=True,
+             help="Poisson arrival rate in requests/s, a sweep like 1,4,max, or max (all at once)."),
+        flag("max_concurrency", type=int, default=None, help="Most requests in flight (client side)."),
+        flag("seed", default=0, show_default=True, help="Seeds lengths, prompt tokens and arrivals."),
+        flag("warmup", default=4, show_default=True, help="Unmeasured warm-up requests per engine."),
+        flag("repeats", default=repeats, show_default=True, help="Measured runs per rate (per trial)."),
+        flag("slo", default=None, help="SLOs for goodput, e.g. ttft=500ms,tpot=50ms (ttft, tpot, itl, e2e)."),
+    ])
 
-            fields = WorkloadArgs.__dataclass_fields__
-            args = WorkloadArgs(**{k: kwargs.pop(k) for k in list(kwargs) if k in fields})
-            return command(workload=args, **kwargs)
+    def make(values: dict):
+        from llmc.bench.commands import WorkloadArgs
 
-        for option in reversed(options):
-            with_workload = option(with_workload)
-        return with_workload
+        return WorkloadArgs(**values)
 
-    return decorate
+    return grouped(list(options.values()), options, "workload", make)
 
 
 @main.command()
@@ -288,27 +243,14 @@ def _workload_options(num_requests: int, prompt_len: str, output_len: str, qps: 
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Folder for report.json, report.md and the plots [default: bench-<engine>].")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots (no matplotlib needed).")
-@click.option("--threads", type=int, default=None,
-              help="ONNX Runtime intra-op threads [default: tuning.json, else cores].")
-@click.option("--max-num-seqs", type=int, default=None,
-              help="Requests running at once [default: tuning.json, else 16].")
-@click.option("--max-num-batched-tokens", type=int, default=None,
-              help="Tokens per step [default: tuning.json, else 512].")
-@click.option("--chunk-size", type=int, default=None,
-              help="Longest prefill chunk per request per step [default: tuning.json, else 256].")
-@click.option("--speculative", default=None,
-              help="Speculative decoding: ngram (prompt lookup) or a draft engine's directory.")
-@click.option("--num-speculative-tokens", type=int, default=None,
-              help="Most tokens proposed per request and step [default: tuning.json, else 8].")
+@runtime_options("num_threads", "max_num_seqs", "max_num_batched_tokens", "chunk_size", "speculative",
+                 "num_speculative_tokens")
 @click.option("--no-tuning", is_flag=True, help="Ignore the engines' tuning.json.")
-def bench(engines, workload, urls, model_name, vocab_size, tokenizer, output, no_plots, threads, max_num_seqs,
-          max_num_batched_tokens, chunk_size, speculative, num_speculative_tokens, no_tuning):
+def bench(engines, workload, urls, model_name, vocab_size, tokenizer, output, no_plots, runtime, no_tuning):
     """Measure TTFT, TPOT, ITL, E2E, throughput and goodput of ENGINE, of two engines side by side (runs
     interleaved), or of a server over HTTP (--url); writes report.json, report.md and PNG plots."""
     from llmc.bench.commands import bench as run_bench
 
-    runtime = dict(num_threads=threads, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                   chunk_size=chunk_size, speculative=speculative, num_speculative_tokens=num_speculative_tokens)
     run_bench(list(engines), workload, output, not no_plots, runtime, use_tuning=not no_tuning, urls=list(urls),
               model=model_name, vocab_size=vocab_size, tokenizer=tokenizer)
 
@@ -336,24 +278,13 @@ def tune(engine, workload, objective, budget, build_knobs, output, fresh, no_plo
 
 @main.command()
 @click.argument("engine", type=click.Path(path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True)
+@server_options("host", "port", "max_waiting", "grace_period", "replicas")
 @click.option("--model", "model_name", default=None, help="Model name clients send [default: the engine folder's name].")
 @click.option("--chat-template", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="Jinja chat template for /v1/chat/completions [default: the engine's].")
-@click.option("--max-waiting", default=256, show_default=True,
-              help="Requests that may wait for a slot; beyond it the server answers 429 with Retry-After.")
-@click.option("--grace-period", default=30.0, show_default=True,
-              help="Seconds SIGTERM waits for running requests to finish before exiting.")
-@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
-@click.option("--speculative", default=None, help="ngram or a draft engine's directory.")
-@click.option("--num-speculative-tokens", type=int, default=None)
+@runtime_options("num_threads", "speculative", "num_speculative_tokens")
 @click.option("--no-tuning", is_flag=True, help="Ignore the engine's tuning.json.")
-@click.option("--replicas", type=click.IntRange(1, 256), default=None,
-              help="Serve this many replicas (each with --threads CPUs, default 1) behind Ray Serve's proxy and "
-                   "llmc's load-aware router; needs pip install 'llmc[ray]'.")
-def serve(engine, host, port, model_name, chat_template, max_waiting, grace_period, threads, speculative,
-          num_speculative_tokens, no_tuning, replicas):
+def serve(engine, server, model_name, chat_template, runtime, no_tuning):
     """Serve ENGINE over an OpenAI-compatible HTTP API (completions, chat, models, health, metrics)."""
     try:
         import uvicorn
@@ -364,24 +295,26 @@ def serve(engine, host, port, model_name, chat_template, max_waiting, grace_peri
     from llmc.contract.engine_dir import open_engine
     from llmc.contract.options import RuntimeOptions
 
-    options = RuntimeOptions.given(dict(num_threads=threads, speculative=speculative,
-                                        num_speculative_tokens=num_speculative_tokens))
+    options = {**RuntimeOptions.given(runtime), "use_tuning": not no_tuning}
     open_engine(engine, verify_checksums=False)  # a bad engine is one line now, not a 503 later
-    if replicas is not None:
+    if server.replicas is not None:
         try:
             from llmc.server import ray_serve
         except ImportError as exc:
             raise LlmcError(f"--replicas needs Ray Serve ({exc.name} is missing); pip install 'llmc[ray]'") from None
-        click.echo(f"serving {engine} on http://{host}:{port}/v1 with {replicas} replicas of {threads or 1} "
-                   "thread(s) behind Ray Serve", err=True)
-        ray_serve.run(engine, host=host, port=port, replicas=replicas, threads=threads or 1, model=model_name,
-                      options={**options, "use_tuning": not no_tuning}, chat_template=chat_template,
-                      max_waiting=max_waiting, grace_period=grace_period)
+        threads = runtime["num_threads"] or ray_serve.THREADS_PER_REPLICA
+        click.echo(f"serving {engine} on http://{server.host}:{server.port}/v1 with {server.replicas} replicas of "
+                   f"{threads} thread(s) behind Ray Serve", err=True)
+        ray_serve.run(engine, host=server.host, port=server.port, replicas=server.replicas, threads=threads,
+                      model=model_name, options=options, chat_template=chat_template, max_waiting=server.max_waiting,
+                      grace_period=server.grace_period)
         return
-    app = create_app(engine, model=model_name, options={**options, "use_tuning": not no_tuning},
-                     chat_template=chat_template, max_waiting=max_waiting)
-    click.echo(f"serving {engine} on http://{host}:{port}/v1 (model {model_name or Path(engine).name})", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_period)
+    app = create_app(engine, model=model_name, options=options, chat_template=chat_template,
+                     max_waiting=server.max_waiting)
+    click.echo(f"serving {engine} on http://{server.host}:{server.port}/v1 (model {model_name or Path(engine).name})",
+               err=True)
+    uvicorn.run(app, host=server.host, port=server.port, log_level="warning",
+                timeout_graceful_shutdown=server.grace_period)
 
 
 @main.command()
@@ -421,10 +354,9 @@ def inspect(engine, as_json):
               help="Window length in tokens [default: the engine's max context, or the reference's if shorter].")
 @click.option("--overlap", type=int, default=None,
               help="Least context, in tokens, of each token scored after the first window [default: half the window].")
-@click.option("--threads", type=int, default=None,
-              help="ONNX Runtime intra-op threads (and torch's, for an HF folder reference) [default: cores].")
+@runtime_options("num_threads", tuning=False)  # evaluate() sets torch's threads too, for an HF reference
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def eval_(engine, file, file_option, corpus, reference, context, overlap, threads, as_json):
+def eval_(engine, file, file_option, corpus, reference, context, overlap, runtime, as_json):
     """Perplexity and bits per byte of ENGINE on FILE (or --corpus heldout); with --reference, how far
     its next-token distributions are from the reference's."""
     from rich.console import Console
@@ -449,7 +381,7 @@ def eval_(engine, file, file_option, corpus, reference, context, overlap, thread
 
     try:
         result = evaluate(engine, file=file if file is not None else file_option, corpus=corpus, reference=reference,
-                          context=context, overlap=overlap, threads=threads,
+                          context=context, overlap=overlap, threads=runtime["num_threads"],
                           progress=progress if console.is_terminal else None)
     finally:
         if task is not None:

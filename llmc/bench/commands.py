@@ -11,6 +11,7 @@ from typing import Any
 
 from llmc.bench.slo import format_slo, parse_slo
 from llmc.bench.workloads import LengthDist, Workload, parse_qps, qps_label
+from llmc.contract.options import format_options
 from llmc.errors import LlmcError
 
 
@@ -145,14 +146,11 @@ def bench(engines: list[Path], args: WorkloadArgs, output: Path | None, plots: b
 
 def tune(engine: Path, args: WorkloadArgs, output: Path | None, plots: bool, objective_name: str, budget: str,
          build_knobs: bool, fresh: bool) -> Path:
-    from llmc.bench.measure import WorkloadCost, build_command, make_space
-    from llmc.bench.report import config_changes, other_cpu, render_tuning_markdown
-    from llmc.bench.runner import BUSY_MACHINE
-    from llmc.bench.tuner import Tuner, get_objective, parse_budget
-    from llmc.contract import MANIFEST
-    from llmc.contract.options import RuntimeOptions, format_options
-    from llmc.contract.tuning import write_tuning
-    from llmc.runtime.llm import LLM
+    """`llmc tune`: search the knobs for the objective within the budget, write the winner to
+    tuning.json and the trials to tuning_report.md (and a plot)."""
+    from llmc.bench.measure import make_space
+    from llmc.bench.report import config_changes
+    from llmc.bench.tuner import get_objective, parse_budget
 
     workload, rates, slo = args.parse()
     objective = get_objective(objective_name, slo)
@@ -165,71 +163,21 @@ def tune(engine: Path, args: WorkloadArgs, output: Path | None, plots: bool, obj
 
         require_matplotlib()
     console = _console()
-    with console.status(f"loading {engine}"):
-        llm = LLM(engine, use_tuning=False)  # the untuned defaults are the baseline
-        workload.check_fits(llm.max_context)
-        defaults, manifest = llm.options, llm.engine.manifest
-        del llm
+    defaults, manifest = _untuned(console, engine, workload)
     max_in_flight = min(workload.num_requests, args.max_concurrency or workload.num_requests)
     space = make_space(defaults, manifest.build_options if build_knobs else None, max_in_flight)
     output = _output_dir(output or Path(f"tune-{engine.resolve().name}"))
-    state = output / "tune_state.json"
     if fresh:
-        state.unlink(missing_ok=True)
-        shutil.rmtree(output / "engines", ignore_errors=True)
+        _forget_trials(output)
     described = {**args.describe(workload), "qps": qps_label(rate)}
-    fingerprint = {
-        "engine": hashlib.sha256((engine / MANIFEST).read_bytes()).hexdigest(),
-        "workload": described, "slo": slo, "build_knobs": build_knobs,
-    }
-
-    status = console.status("measuring the default configuration")
-    status.start()
-    trial_no = 0
-
-    def started(config):
-        status.update(f"trial {trial_no + 1}: {config_changes(config, space.default) or 'default'}")
-
-    def finished(trial, reused):
-        nonlocal trial_no
-        trial_no += 1
-        changed = config_changes(trial.config, space.default) or "default"
-        value = f"failed: {trial.error}" if trial.failed else \
-            f"{objective.format(trial.score)} (spread {trial.rel_spread:.1%})"
-        reuse = " (reused)" if reused else ""
-        share = other_cpu(trial)
-        busy = f" · other processes took {share:.0%} of the CPU" if share and share > BUSY_MACHINE else ""
-        console.print(f"  trial {trial_no:2d} {changed}: {value} · {trial.seconds:.1f}s{reuse}{busy}")
-
-    cost = WorkloadCost(engine, manifest, workload, rate, args.repeats, args.max_concurrency, args.warmup, slo,
-                        output, space, on_progress=lambda what: status.update(f"trial {trial_no + 1}: {what}"))
-    try:
-        result = Tuner(space, cost, objective, budget_s, state, fingerprint, on_trial=finished,
-                       on_start=started).run()
-    finally:
-        status.stop()
-
+    result = _run_trials(console, engine, manifest, args, workload, rate, slo, output, space, objective, budget_s,
+                         fingerprint=_fingerprint(engine, described, slo, build_knobs))
     if result.default is None or result.default.failed:
         raise LlmcError(f"the default configuration failed on this workload ({result.default.error}); "
                         "check the engine with `llmc run`")
-    winner_options = RuntimeOptions.tunable_of(result.winner.config)
-    path = write_tuning(engine, winner_options, objective=objective.name, workload=described,
-                        slo=format_slo(slo) or None,
-                        measured={"default": result.default.score, "winner": result.winner.score,
-                                  "margin": objective.margin(result.winner.score, result.default.score),
-                                  "unit": objective.unit, "trials": len(result.trials)})
-    recommendation = None
-    if any(result.best.config[k.name] != space.default[k.name] for k in space.knobs if k.kind == "build"):
-        recommendation = (f"The best trial changes build knobs, which tuning.json cannot apply: rebuild with "
-                          f"`{build_command(manifest, engine, result.best.config)}` and run `llmc tune` on the new "
-                          f"engine. tuning.json holds the best runtime-only configuration for the current build.")
-    plot = None
-    if plots:
-        from llmc.bench.plots import tuning_plot
-
-        plot = tuning_plot(result, output)
-    (output / "tuning_report.md").write_text(
-        render_tuning_markdown(result, objective, described, str(engine), recommendation, plot), encoding="utf-8")
+    winner_options, path = _write_winner(engine, result, objective, described, slo)
+    recommendation = _rebuild_recommendation(engine, manifest, space, result)
+    plot = _write_tuning_report(output, engine, result, objective, described, recommendation, plots)
     console.print(f"best: {config_changes(result.best.config, space.default) or 'the default'} "
                   f"· {result.margin:+.1%} {objective.name} vs default · {result.verdict}")
     if recommendation:
@@ -237,3 +185,118 @@ def tune(engine: Path, args: WorkloadArgs, output: Path | None, plots: bool, obj
     console.print(f"wrote {path} ({format_options(winner_options)}) and {output}/tuning_report.md"
                   + (f", {output}/{plot}" if plot else ""))
     return output
+
+
+TUNE_STATE = "tune_state.json"  # the trials so far, for resuming
+
+
+def _untuned(console, engine: Path, workload: Workload):
+    """(the engine's untuned RuntimeOptions, its manifest): the untuned defaults are the baseline.
+    The LLM is dropped on return, before the trials load their own."""
+    from llmc.runtime.llm import LLM
+
+    with console.status(f"loading {engine}"):
+        llm = LLM(engine, use_tuning=False)
+        workload.check_fits(llm.max_context)
+        return llm.options, llm.engine.manifest
+
+
+def _forget_trials(output: Path) -> None:
+    """--fresh: drop an earlier run's trial state and the engine variants it built."""
+    (output / TUNE_STATE).unlink(missing_ok=True)
+    shutil.rmtree(output / "engines", ignore_errors=True)
+
+
+def _fingerprint(engine: Path, described: dict, slo: dict, build_knobs: bool) -> dict:
+    """What the saved trials were measured on: a run resumes them only where this is the same."""
+    from llmc.contract import MANIFEST
+
+    return {"engine": hashlib.sha256((engine / MANIFEST).read_bytes()).hexdigest(),
+            "workload": described, "slo": slo, "build_knobs": build_knobs}
+
+
+class _TrialLog:
+    """The tuner's progress on the console: the running trial in a spinner, a line per finished one."""
+
+    def __init__(self, console, status, space, objective):
+        self.console, self.status, self.space, self.objective = console, status, space, objective
+        self.trial_no = 0
+
+    def progress(self, what: str) -> None:
+        self.status.update(f"trial {self.trial_no + 1}: {what}")
+
+    def started(self, config) -> None:
+        from llmc.bench.report import config_changes
+
+        self.progress(config_changes(config, self.space.default) or "default")
+
+    def finished(self, trial, reused: bool) -> None:
+        from llmc.bench.report import config_changes, other_cpu
+        from llmc.bench.runner import BUSY_MACHINE
+
+        self.trial_no += 1
+        changed = config_changes(trial.config, self.space.default) or "default"
+        value = f"failed: {trial.error}" if trial.failed else \
+            f"{self.objective.format(trial.score)} (spread {trial.rel_spread:.1%})"
+        reuse = " (reused)" if reused else ""
+        share = other_cpu(trial)
+        busy = f" · other processes took {share:.0%} of the CPU" if share and share > BUSY_MACHINE else ""
+        self.console.print(f"  trial {self.trial_no:2d} {changed}: {value} · {trial.seconds:.1f}s{reuse}{busy}")
+
+
+def _run_trials(console, engine: Path, manifest, args: WorkloadArgs, workload: Workload, rate: float, slo: dict,
+                output: Path, space, objective, budget_s: float, fingerprint: dict):
+    """The tuner's result: trials of the space within the budget, the default configuration first."""
+    from llmc.bench.measure import WorkloadCost
+    from llmc.bench.tuner import Tuner
+
+    status = console.status("measuring the default configuration")
+    log = _TrialLog(console, status, space, objective)
+    status.start()
+    cost = WorkloadCost(engine, manifest, workload, rate, args.repeats, args.max_concurrency, args.warmup, slo,
+                        output, space, on_progress=log.progress)
+    try:
+        return Tuner(space, cost, objective, budget_s, output / TUNE_STATE, fingerprint, on_trial=log.finished,
+                     on_start=log.started).run()
+    finally:
+        status.stop()
+
+
+def _write_winner(engine: Path, result, objective, described: dict, slo: dict) -> tuple[dict[str, Any], Path]:
+    """(the winner's tunable options, the tuning.json written with them and what was measured)."""
+    from llmc.contract.options import RuntimeOptions
+    from llmc.contract.tuning import write_tuning
+
+    winner_options = RuntimeOptions.tunable_of(result.winner.config)
+    path = write_tuning(engine, winner_options, objective=objective.name, workload=described,
+                        slo=format_slo(slo) or None,
+                        measured={"default": result.default.score, "winner": result.winner.score,
+                                  "margin": objective.margin(result.winner.score, result.default.score),
+                                  "unit": objective.unit, "trials": len(result.trials)})
+    return winner_options, path
+
+
+def _rebuild_recommendation(engine: Path, manifest, space, result) -> str | None:
+    """Where the best trial changes build knobs, which tuning.json cannot apply: the rebuild to run."""
+    from llmc.bench.measure import build_command
+
+    if not any(result.best.config[k.name] != space.default[k.name] for k in space.knobs if k.kind == "build"):
+        return None
+    return (f"The best trial changes build knobs, which tuning.json cannot apply: rebuild with "
+            f"`{build_command(manifest, engine, result.best.config)}` and run `llmc tune` on the new "
+            f"engine. tuning.json holds the best runtime-only configuration for the current build.")
+
+
+def _write_tuning_report(output: Path, engine: Path, result, objective, described: dict,
+                         recommendation: str | None, plots: bool) -> str | None:
+    """tuning_report.md, and the plot it shows (its file name) when `plots`."""
+    from llmc.bench.report import render_tuning_markdown
+
+    plot = None
+    if plots:
+        from llmc.bench.plots import tuning_plot
+
+        plot = tuning_plot(result, output)
+    (output / "tuning_report.md").write_text(
+        render_tuning_markdown(result, objective, described, str(engine), recommendation, plot), encoding="utf-8")
+    return plot

@@ -18,7 +18,7 @@ from llmc.bench.tuner import Config, Knob, SearchSpace
 from llmc.bench.workloads import Workload
 from llmc.contract import MANIFEST
 from llmc.contract.manifest import Manifest
-from llmc.contract.options import BuildOptions, RuntimeOptions
+from llmc.contract.options import BuildOptions, RuntimeOptions, declaration
 from llmc.errors import LlmcError
 from llmc.runtime.llm import LLM
 
@@ -95,11 +95,15 @@ def make_space(defaults: RuntimeOptions, build: BuildOptions | None, max_in_flig
 def build_command(manifest: Manifest, engine: Path, config: Config) -> str:
     """The `llmc build` line that rebuilds `engine` with a configuration's build knobs."""
     options = variant_options(manifest.build_options, config)
-    parts = ["llmc build", manifest.source.model, "-o", str(engine), "--overwrite", "--block-size",
-             str(options.block_size), "--max-context", str(options.max_context)]
-    parts += [flag for name in options.disable_passes for flag in ("--disable-pass", name)]
+
+    def flag(name: str) -> str:
+        return declaration(BuildOptions, name).flag
+
+    parts = ["llmc build", manifest.source.model, "-o", str(engine), "--overwrite", flag("block_size"),
+             str(options.block_size), flag("max_context"), str(options.max_context)]
+    parts += [part for name in options.disable_passes for part in (flag("disable_passes"), name)]
     if options.lossless_weights:
-        parts.append("--lossless-weights")
+        parts.append(flag("lossless_weights"))
     return " ".join(parts)
 
 

@@ -24,7 +24,7 @@ from llmc.contract.engine_dir import EngineWriter
 from llmc.contract.manifest import (Backend, KVCache, Manifest, PassRecord, Payload, Quantization, QuantizedTensor,
                                    Source)
 from llmc.contract.model_spec import ModelSpec
-from llmc.contract.options import QUANT_BITS, QUANT_BLOCK_SIZES, WEIGHT_ROLES, BuildOptions
+from llmc.contract.options import DEFAULT_MAX_CONTEXT, QUANT_BITS, QUANT_BLOCK_SIZES, WEIGHT_ROLES, BuildOptions
 from llmc.errors import LlmcError
 from llmc.version import __version__
 
@@ -32,7 +32,6 @@ MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "model.onnx.data"
 TOKENIZER_DIR = "tokenizer"
 GENERATION_CONFIG = "generation_config.json"
-DEFAULT_MAX_CONTEXT = 4096
 # Tensors computed and written at once in the save: one reads and packs while another writes.
 SAVE_WORKERS = 2
 

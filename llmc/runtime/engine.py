@@ -17,13 +17,12 @@ import numpy as np
 from llmc.contract import graph_io as io
 from llmc.contract import kv_layout
 from llmc.contract.engine_dir import EngineFiles, open_engine
-from llmc.contract.options import GRAPH_OPTIMIZATION_LEVELS, RuntimeOptions
+from llmc.contract.options import DEFAULT_KV_CACHE_BYTES, GRAPH_OPTIMIZATION_LEVELS, RuntimeOptions
 from llmc.errors import EngineError, LlmcError, first_line
 from llmc.plugins import cpu
 from llmc.runtime import backends
 from llmc.runtime.step import Row, checked_indices, fill
 
-DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
               "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8"}  # ORT's element type names, as numpy's
 

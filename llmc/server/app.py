@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -23,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llmc.contract.options import ServerOptions
 from llmc.errors import RequestError, first_line
 from llmc.runtime.async_llm import AsyncLLM, tokenizing
 from llmc.runtime.chat import ChatTemplate
@@ -143,7 +145,7 @@ class _Server:
 
 
 def create_app(engine_dir: str | Path, *, model: str | None = None, options: dict | None = None,
-               chat_template: str | Path | None = None, max_waiting: int = 256,
+               chat_template: str | Path | None = None, max_waiting: int = ServerOptions.max_waiting,
                load_before_serving: bool = False) -> FastAPI:
     """`load_before_serving`: the app starts only once the engine is loaded (a replica behind a
     router, which must not be sent requests it would answer 503); otherwise it answers at once and
@@ -151,7 +153,17 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
     engine_dir = Path(engine_dir)
     server = _Server(engine_dir, model or engine_dir.name, options or {},
                      Path(chat_template) if chat_template else None, max_waiting)
+    app = FastAPI(title="llmc", lifespan=_lifespan(server, load_before_serving))
+    app.state.server = server
+    _add_error_handlers(app)
+    _add_status_routes(app, server)
+    _add_completion_routes(app, server)
+    return app
 
+
+def _lifespan(server: _Server, load_before_serving: bool):
+    """Loads the engine in a worker thread as the app starts (waiting for it when
+    `load_before_serving`), and waits for that thread as the app stops."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loading = asyncio.get_running_loop().run_in_executor(None, server.load)
@@ -162,31 +174,39 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
         yield
         await loading
 
-    app = FastAPI(title="llmc", lifespan=lifespan)
-    app.state.server = server
+    return lifespan
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal as OpenAI's error body: ours (HttpError), pydantic's, and Starlette's (404, 405)."""
     @app.exception_handler(HttpError)
     async def http_error(request: Request, exc: HttpError):
         return JSONResponse(error_body(str(exc), exc.param, exc.kind), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        # The field's path, without the body and without the union member pydantic tried ("list[str]").
-        loc = [str(p) for p in first.get("loc", ()) if p != "body" and p not in UNION_MEMBERS]
-        if first.get("type") == "json_invalid":
-            message, param = f"the body is not valid JSON ({first.get('msg')}); send a JSON object", None
-        else:
-            param = ".".join(loc) or None
-            shown = "input" in first and loc and first.get("type") != "missing"  # a missing field's input is the body
-            why = first.get("msg", "").removeprefix("Value error, ")  # pydantic's prefix for our own checks
-            message = f"{param or 'body'}: {why}" + (f" (got {first['input']!r:.80})" if shown else "")
+        message, param = _validation_message(exc.errors()[0])
         return JSONResponse(error_body(message, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def other_http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse(error_body(str(exc.detail), None, "invalid_request_error"), status_code=exc.status_code)
 
+
+def _validation_message(first: dict) -> tuple[str, str | None]:
+    """(message, param) of pydantic's first complaint about a request body."""
+    # The field's path, without the body and without the union member pydantic tried ("list[str]").
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and p not in UNION_MEMBERS]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON ({first.get('msg')}); send a JSON object", None
+    param = ".".join(loc) or None
+    shown = "input" in first and loc and first.get("type") != "missing"  # a missing field's input is the body
+    why = first.get("msg", "").removeprefix("Value error, ")  # pydantic's prefix for our own checks
+    return f"{param or 'body'}: {why}" + (f" (got {first['input']!r:.80})" if shown else ""), param
+
+
+def _add_status_routes(app: FastAPI, server: _Server) -> None:
+    """/health, /v1/models and /metrics: each 503 until the engine is loaded."""
     @app.get("/health")
     async def health():
         server.ready()
@@ -204,6 +224,9 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
         server.ready()
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+
+def _add_completion_routes(app: FastAPI, server: _Server) -> None:
+    """/v1/completions and /v1/chat/completions."""
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         rid, streams = await server.start(body, body.prompts, 16)
@@ -225,60 +248,103 @@ def create_app(engine_dir: str | Path, *, model: str | None = None, options: dic
         rid, streams = await server.start(body, [prompt], max(1, llm.max_context - len(prompt.ids)))
         return await _respond(server, request, body, rid, streams, chat=True)
 
-    return app
-
 
 async def _respond(server: _Server, request: Request, body: _Sampling, rid: str, streams, chat: bool):
-    created = int(time.time())
-    kind = "chat.completion" if chat else "text_completion"
-
-    def usage(outs: dict[int, RequestOutput]) -> dict:  # each prompt as the engine tokenized it, once (not per choice)
-        prompt = sum(len(o.prompt_token_ids) for index, o in outs.items() if index % body.n == 0)
-        completion = sum(len(o.token_ids) for o in outs.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    tokenizer = server.engine.llm.tokenizer
+    """The response to a request whose streams started: server-sent events as the tokens come, or
+    (not streaming) one body once every choice finished."""
+    head = _Head(rid, "chat.completion" if chat else "text_completion", int(time.time()), server.model)
     if body.stream:
-        # Every event is this head and one choice: only the choice is encoded per token.
-        head = (f'data: {{"id": {json.dumps(rid)}, "object": "{kind}{".chunk" if chat else ""}", '
-                f'"created": {created}, "model": {json.dumps(server.model)}, ').encode()
+        return _EventStream(_events(server, body, head, streams, chat))
+    return await _whole_response(server, request, body, head, streams, chat)
 
-        async def events() -> AsyncIterator[bytes]:
-            choices = server.choices(streams)
-            latest: dict[int, RequestOutput] = {}  # each choice's newest snapshot
-            try:
-                first = [True] * len(streams)
-                sent = [0] * len(streams)  # log-probabilities already streamed, per choice
-                at = [0] * len(streams)  # characters of token text already streamed, per choice
-                async for ready in choices:
-                    written = []
-                    for index, out in ready:
-                        latest[index] = out
-                        finish = _finish_reason(out)
-                        logprobs = None
-                        if out.logprobs is not None:
-                            logprobs = _logprobs(tokenizer, out.logprobs[sent[index]:], chat, at[index])
-                            sent[index] = len(out.logprobs)
-                            if not chat:
-                                at[index] += sum(map(len, logprobs["tokens"]))
-                        if chat:
-                            delta = ({"role": "assistant", "content": out.delta} if first[index]
-                                     else {"content": out.delta})
-                            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-                        else:
-                            choice = {"index": index, "text": out.delta, "logprobs": logprobs, "finish_reason": finish}
-                        first[index] = False
-                        written.append(b'%s"choices": [%s]}\n\n' % (head, json.dumps(choice).encode()))
-                    yield b"".join(written)  # one write for all that were ready
-                if body.include_usage:
-                    counts = json.dumps(usage(latest)).encode()
-                    yield b'%s"choices": [], "usage": %s}\n\n' % (head, counts)
-                yield b"data: [DONE]\n\n"
-            finally:
-                await choices.aclose()  # a client that went away: abort what is unfinished
 
-        return _EventStream(events())
+@dataclass(frozen=True)
+class _Head:
+    """What every chunk, or the whole response, of a request starts with."""
 
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+def _usage(body: _Sampling, outs: dict[int, RequestOutput]) -> dict:
+    """OpenAI's usage: each prompt as the engine tokenized it, once (not per choice)."""
+    prompt = sum(len(o.prompt_token_ids) for index, o in outs.items() if index % body.n == 0)
+    completion = sum(len(o.token_ids) for o in outs.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _events(server: _Server, body: _Sampling, head: _Head, streams, chat: bool) -> AsyncIterator[bytes]:
+    """The event stream's chunks: each choice's new text as it comes, then the usage (if asked
+    for) and [DONE]; closing it aborts what is unfinished (a client that went away)."""
+    tokenizer = server.engine.llm.tokenizer
+    # Every event is this prefix and one choice: only the choice is encoded per token.
+    prefix = (f'data: {{"id": {json.dumps(head.id)}, "object": "{head.object}{".chunk" if chat else ""}", '
+              f'"created": {head.created}, "model": {json.dumps(head.model)}, ').encode()
+    choices = server.choices(streams)
+    latest: dict[int, RequestOutput] = {}  # each choice's newest snapshot
+    try:
+        first = [True] * len(streams)
+        sent = [0] * len(streams)  # log-probabilities already streamed, per choice
+        at = [0] * len(streams)  # characters of token text already streamed, per choice
+        async for ready in choices:
+            written = []
+            for index, out in ready:
+                latest[index] = out
+                logprobs = None
+                if out.logprobs is not None:
+                    logprobs = _logprobs(tokenizer, out.logprobs[sent[index]:], chat, at[index])
+                    sent[index] = len(out.logprobs)
+                    if not chat:
+                        at[index] += sum(map(len, logprobs["tokens"]))
+                choice = _chunk_choice(index, out, logprobs, chat, first[index])
+                first[index] = False
+                written.append(b'%s"choices": [%s]}\n\n' % (prefix, json.dumps(choice).encode()))
+            yield b"".join(written)  # one write for all that were ready
+        if body.include_usage:
+            counts = json.dumps(_usage(body, latest)).encode()
+            yield b'%s"choices": [], "usage": %s}\n\n' % (prefix, counts)
+        yield b"data: [DONE]\n\n"
+    finally:
+        await choices.aclose()  # a client that went away: abort what is unfinished
+
+
+def _chunk_choice(index: int, out: RequestOutput, logprobs: dict | None, chat: bool, first: bool) -> dict:
+    """One choice of a streamed chunk: chat's delta (with the role in the choice's first) or the text."""
+    finish = _finish_reason(out)
+    if chat:
+        delta = {"role": "assistant", "content": out.delta} if first else {"content": out.delta}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "text": out.delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+async def _whole_response(server: _Server, request: Request, body: _Sampling, head: _Head, streams, chat: bool):
+    """The body once every choice finished: 499 if the client went away first, 500 if a request failed."""
+    finals = await _finished_outputs(server, request, streams)
+    if len(finals) < len(streams):
+        return Response(status_code=499)  # the client went away; nobody reads this
+    errors = [o.error for o in finals.values() if o.finish_reason == "error"]
+    if errors:
+        raise HttpError(500, errors[0], kind="server_error")
+    tokenizer = server.engine.llm.tokenizer
+    results = []
+    for index in range(len(streams)):
+        out = finals[index]
+        logprobs = None if out.logprobs is None else _logprobs(tokenizer, out.logprobs, chat)
+        if chat:
+            results.append({"index": index, "message": {"role": "assistant", "content": out.text},
+                            "logprobs": logprobs, "finish_reason": _finish_reason(out)})
+        else:
+            results.append({"index": index, "text": out.text, "logprobs": logprobs,
+                            "finish_reason": _finish_reason(out)})
+    return {"id": head.id, "object": head.object, "created": head.created, "model": head.model, "choices": results,
+            "usage": _usage(body, finals)}
+
+
+async def _finished_outputs(server: _Server, request: Request, streams) -> dict[int, RequestOutput]:
+    """Each choice's final output, by index, collected until all finish or the client goes away
+    (then fewer: the unfinished ones are aborted)."""
     finals: dict[int, RequestOutput] = {}
     choices = server.choices(streams)
 
@@ -295,23 +361,7 @@ async def _respond(server: _Server, request: Request, body: _Sampling, rid: str,
         await asyncio.gather(task, watch, return_exceptions=True)
     finally:
         await choices.aclose()
-    if len(finals) < len(streams):
-        return Response(status_code=499)  # the client went away; nobody reads this
-    errors = [o.error for o in finals.values() if o.finish_reason == "error"]
-    if errors:
-        raise HttpError(500, errors[0], kind="server_error")
-    results = []
-    for index in range(len(streams)):
-        out = finals[index]
-        logprobs = None if out.logprobs is None else _logprobs(tokenizer, out.logprobs, chat)
-        if chat:
-            results.append({"index": index, "message": {"role": "assistant", "content": out.text},
-                            "logprobs": logprobs, "finish_reason": _finish_reason(out)})
-        else:
-            results.append({"index": index, "text": out.text, "logprobs": logprobs,
-                            "finish_reason": _finish_reason(out)})
-    return {"id": rid, "object": kind, "created": created, "model": server.model, "choices": results,
-            "usage": usage(finals)}
+    return finals
 
 
 async def _disconnected(receive) -> None:

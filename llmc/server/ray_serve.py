@@ -26,8 +26,11 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from llmc.contract.options import RuntimeOptions, ServerOptions, declaration
 from llmc.server.app import create_app
 
+REPLICAS = 2  # replicas of an application that does not say (`serve run` without replicas=)
+THREADS_PER_REPLICA = 1  # CPUs, and ORT threads, of each replica that does not say
 REPLICA_HEADER = b"llmc-replica"  # which replica answered: for users' logs and the scale-out test
 STATS_PERIOD_S = 0.5  # how often each replica reports its load to the router
 CHOICE_TTL_S = 1.0  # a replica chosen for a request counts as loaded by it until it is sent, or this long
@@ -36,7 +39,8 @@ CHOICE_TTL_S = 1.0  # a replica chosen for a request counts as loaded by it unti
 def engine_load(stats: dict, in_flight: int) -> float:
     """A replica's load for routing: the requests this router has in flight there per batch slot,
     plus the share of its KV cache in use as it last reported."""
-    return in_flight / max(1, stats.get("max_num_seqs", 16)) + stats.get("kv_usage", 0.0)
+    slots = stats.get("max_num_seqs", RuntimeOptions.max_num_seqs)
+    return in_flight / max(1, slots) + stats.get("kv_usage", 0.0)
 
 
 class LoadAwareRouter(FIFOMixin, RequestRouter):
@@ -104,9 +108,10 @@ class _ReplicaHeader:
         await self.app(scope, receive, named)
 
 
-def application(engine: str | Path, *, replicas: int = 2, threads: int = 1, model: str | None = None,
-                options: dict | None = None, chat_template: str | Path | None = None, max_waiting: int = 256,
-                grace_period: float = 30.0, max_ongoing_requests: int | None = None):
+def application(engine: str | Path, *, replicas: int = REPLICAS, threads: int = THREADS_PER_REPLICA,
+                model: str | None = None, options: dict | None = None, chat_template: str | Path | None = None,
+                max_waiting: int = ServerOptions.max_waiting, grace_period: float = ServerOptions.grace_period,
+                max_ongoing_requests: int | None = None):
     """The Ray Serve application: `replicas` copies of the server, each with `threads` CPUs.
     `max_ongoing_requests` (default: twice the batch slots) bounds what a replica holds; past it
     requests wait in the router, `max_waiting` of them, then 503 with Retry-After."""
@@ -116,7 +121,8 @@ def application(engine: str | Path, *, replicas: int = 2, threads: int = 1, mode
     app.add_middleware(_ReplicaHeader)
 
     @serve.deployment(name="llmc", num_replicas=replicas, ray_actor_options={"num_cpus": threads},
-                      max_ongoing_requests=max_ongoing_requests or 2 * options.get("max_num_seqs", 16),
+                      max_ongoing_requests=max_ongoing_requests or 2 * options.get("max_num_seqs",
+                                                                                   RuntimeOptions.max_num_seqs),
                       max_queued_requests=max_waiting, graceful_shutdown_timeout_s=grace_period,
                       request_router_config=RequestRouterConfig(request_router_class=LoadAwareRouter,
                                                                 request_routing_stats_period_s=STATS_PERIOD_S))
@@ -133,11 +139,32 @@ def application(engine: str | Path, *, replicas: int = 2, threads: int = 1, mode
 
 
 def app_builder(args: dict):
-    """For `serve run llmc.server.ray_serve:app_builder engine=DIR [replicas=N threads=T model=NAME]`."""
+    """For `serve run llmc.server.ray_serve:app_builder engine=DIR [replicas=N threads=T model=NAME
+    max_waiting=W grace_period=S max_num_seqs=... (any runtime option)]`."""
+    return application(**application_args(args))
+
+
+# app_builder's arguments that are `application`'s own; the others are declared server or runtime options.
+_BUILDER_ARGS = ("engine", "model", "threads")
+
+
+def application_args(args: dict) -> dict:
+    """`application`'s keywords from Ray Serve's config (`key=value` text, or YAML's typed values):
+    the server and runtime options by their declared names and types."""
     if "engine" not in args:
         raise ValueError("pass the engine directory: serve run llmc.server.ray_serve:app_builder engine=DIR")
-    return application(args["engine"], replicas=int(args.get("replicas", 2)), threads=int(args.get("threads", 1)),
-                       model=args.get("model"), max_waiting=int(args.get("max_waiting", 256)))
+    server = ("replicas", "max_waiting", "grace_period")
+    unknown = sorted(set(args) - {*_BUILDER_ARGS, *server, *RuntimeOptions.names()})
+    if unknown:
+        raise ValueError(f"unknown argument {unknown[0]!r}; app_builder takes {', '.join(_BUILDER_ARGS)}, "
+                         f"{', '.join(server)} and the runtime options ({', '.join(RuntimeOptions.names())})")
+    kwargs = {"engine": args["engine"], "model": args.get("model")}
+    if "threads" in args:
+        kwargs["threads"] = declaration(RuntimeOptions, "num_threads").parse(args["threads"])
+    kwargs.update({name: declaration(ServerOptions, name).parse(args[name]) for name in server if name in args})
+    options = {name: declaration(RuntimeOptions, name).parse(value) for name, value in args.items()
+               if name in RuntimeOptions.names()}
+    return {**kwargs, "options": RuntimeOptions.given(options)}
 
 
 def run(engine: Path, *, host: str, port: int, replicas: int, threads: int, model: str | None, options: dict,
