@@ -77,38 +77,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import shutil
 import statistics
-import struct
-import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-WORKER = HERE / "peers_worker.py"
+# This file is the driver: the peers' setup, the interleaved measurement loop and the report. Each
+# runtime's own part (its pins, conversions, byte counts and worker backend) is a module of
+# benchmarks/peer_runtimes/, and the worker process is benchmarks/peers_worker.py.
+from peer_runtimes.shared import HERE, REPO, SetupError, Worker, cache_root, peer_env, read_stamp, run_step
+from peer_runtimes.llama_cpp import CMAKE_ARGS, GGUF_FLAGS, LLAMA_CPP_PYTHON, convert_gguf
+from peer_runtimes.llmc_engine import LLMC_KV_BYTES, build_variants, parse_llmc_src, src_env
+from peer_runtimes.ort_genai import (ORT_GENAI, ORT_GENAI_ACCURACY_LEVEL, ORT_GENAI_OPTIONS, convert_ort,
+                                     ort_genai_options)
+from peer_runtimes.roofline import (experts_read, kv_bytes_per_position, onnx_weight_bytes, own_bytes,
+                                    parameter_count, weight_bytes)
 
-LLAMA_CPP_PYTHON = "0.3.36"
-ORT_GENAI = "0.18.0"
 TORCH = "2.13.0"  # this pin resolves to a local CPU wheel; any other pulls GBs of CUDA
-# GGML_NATIVE: -march=native, i.e. this CPU's AVX-512 kernels. OpenMP is llama.cpp's default thread
-# pool on Linux and the llamafile sgemm (on by default) covers f32 prompt matmuls, so no BLAS.
-# Everything not needed to run a model from Python is off, to keep a 2-core build short.
-CMAKE_ARGS = ("-DGGML_NATIVE=ON -DGGML_OPENMP=ON -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF "
-              "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
-              "-DLLAMA_BUILD_SERVER=OFF")
 # The converters read this folder's config.json, written by transformers 5 (rope_parameters);
 # transformers 4 would silently fall back to the default RoPE base.
 PEER_PACKAGES = (f"torch=={TORCH}", "transformers>=5,<6", f"onnxruntime-genai=={ORT_GENAI}", "onnx",
                  "onnx-ir", "sentencepiece", "protobuf", "numpy", "safetensors", "tqdm", "pyyaml", "requests")
-GGUF_FLAGS = ("--fuse-qkv",)
-ORT_GENAI_OPTIONS = ("prune_lm_head=true", "fuse_mlp_gate_up=true")
 PEERS = ("llama.cpp", "ort-genai")
 BITS = ("fp32", "bf16", "int8", "int4")
 # The peer configurations --bits runs: (row name, peer, variant). A llama.cpp variant is a GGUF
@@ -123,57 +116,10 @@ PEER_ROWS = {
              ("ort-genai int4", "ort-genai", "int4"),
              ("ort-genai int4, LM head int8", "ort-genai", "int4-lm-head-int8")),
 }
-# ORT GenAI variants beyond a bare precision: (precision, more builder options). llama.cpp keeps
-# a tied embedding / LM head at Q6_K in its Q4_0 and Q4_K_M files; the closest ORT GenAI build
-# quantizes its LM head (the last MatMul) to int8 instead of int4.
-# (algo_config=rtn: the builder's "default" algo names an int8 LM head's initializer wrongly in 0.18
-# and the model does not load; rtn is the same round-to-nearest quantizer, named consistently.)
-ORT_GENAI_VARIANTS = {"int4-lm-head-int8": ("int4", ("algo_config=rtn", "matmul_mixed_precision=last_matmul:int8"))}
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m")
-# ORT GenAI's weight-only quantization (MatMulNBits, RTN): blocks of 32 weights, symmetric, every
-# MatMul including the LM head; the embedding Gather stays fp32. accuracy_level 4 quantizes the
-# activations to int8 for the integer dot products (its CPU default), 1 keeps them fp32.
-ORT_GENAI_BLOCK_SIZE = 32
-ORT_GENAI_ACCURACY_LEVEL = 4
-LLAMA_KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}  # q8_0: blocks of 32 int8 + an f16 scale
-# Bytes per KV element of an llmc pool, by the manifest's kv_cache.dtype (an int8 pool's per token
-# and head scales, 4 bytes per head_dim elements, are left out).
-LLMC_KV_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0}
 PAUSE_S = 0.3  # lets the previous worker's spinning threads park before the next one runs
 
 
-class SetupError(Exception):
-    pass
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LLMC_CACHE") or Path.home() / ".cache" / "llmc").expanduser()
-
-
 # -- setup ----------------------------------------------------------------------------------------
-
-
-def _run(step: str, cmd: list, log: Path, fix: str, env: dict | None = None, cwd: Path | None = None) -> None:
-    with open(log, "a") as f:
-        f.write(f"\n$ {' '.join(map(str, cmd))}\n")
-        f.flush()
-        rc = subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
-    if rc != 0:
-        raise SetupError(f"setup step '{step}' failed (exit {rc}); log: {log}; {fix}")
-
-
-def _peer_env() -> dict:
-    # The peers' interpreter must see nothing of the repo's venv.
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    return env
-
-
-def _stamp(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def setup_venv(venv: Path, root: Path, log: Path) -> Path:
@@ -183,24 +129,25 @@ def setup_venv(venv: Path, root: Path, log: Path) -> Path:
             "cmake_args": CMAKE_ARGS, "packages": list(PEER_PACKAGES)}
     src = root / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
     stamp = venv / ".llmc-peers.json"
-    if _stamp(stamp) == want and python.is_file() and (src / "vendor" / "llama.cpp").is_dir():
+    if read_stamp(stamp) == want and python.is_file() and (src / "vendor" / "llama.cpp").is_dir():
         return python
-    env = _peer_env()
+    env = peer_env()
     if not python.is_file():
         print(f"setup: creating the peers' venv {venv}", flush=True)
         base = getattr(sys, "_base_executable", sys.executable)
-        _run("venv", [base, "-m", "venv", venv], log,
-             f"check that `{base} -m venv` works and {venv.parent} is writable")
+        run_step("venv", [base, "-m", "venv", venv], log,
+                 f"check that `{base} -m venv` works and {venv.parent} is writable")
     print(f"setup: installing {', '.join(PEER_PACKAGES)} into it", flush=True)
-    _run("pip install peer packages", [python, "-m", "pip", "install", *PEER_PACKAGES], log,
-         "check the package index is reachable (pip config) and the pins resolve", env=env)
+    run_step("pip install peer packages", [python, "-m", "pip", "install", *PEER_PACKAGES], log,
+             "check the package index is reachable (pip config) and the pins resolve", env=env)
     if not (src / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").is_file():
         print(f"setup: fetching the llama-cpp-python {LLAMA_CPP_PYTHON} source distribution", flush=True)
         dl = root / "src"
         dl.mkdir(parents=True, exist_ok=True)
         # --no-binary: the sdist, which carries llama.cpp's own HF->GGUF converter and gguf-py.
-        _run("download llama-cpp-python sdist", [python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", dl], log, "check that PyPI is reachable", env=env)
+        run_step("download llama-cpp-python sdist", [python, "-m", "pip", "download", "--no-deps", "--no-binary",
+                 ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", dl], log, "check that PyPI is reachable",
+                 env=env)
         tarball = dl / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
         if not tarball.is_file():
             raise SetupError(f"setup step 'unpack sdist' failed: {tarball} not found after download; log: {log}")
@@ -213,111 +160,13 @@ def setup_venv(venv: Path, root: Path, log: Path) -> Path:
     print(f"setup: building llama-cpp-python {LLAMA_CPP_PYTHON} for this CPU ({CMAKE_ARGS}); "
           f"this takes several minutes on 2 cores, log: {log}", flush=True)
     build_env = dict(env, CMAKE_ARGS=CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
-    _run("build llama-cpp-python", [python, "-m", "pip", "install", "--force-reinstall", "--no-cache-dir",
-         "--verbose", src], log, "it needs cmake, ninja or make, and a C++17 compiler (apt-get install cmake "
-         "build-essential)", env=build_env)
-    _run("import check", [python, "-c", "import llama_cpp, onnxruntime_genai"], log,
-         "the peers' venv is broken; delete it and rerun --setup", env=env)
+    run_step("build llama-cpp-python", [python, "-m", "pip", "install", "--force-reinstall", "--no-cache-dir",
+             "--verbose", src], log, "it needs cmake, ninja or make, and a C++17 compiler (apt-get install cmake "
+             "build-essential)", env=build_env)
+    run_step("import check", [python, "-c", "import llama_cpp, onnxruntime_genai"], log,
+             "the peers' venv is broken; delete it and rerun --setup", env=env)
     stamp.write_text(json.dumps(want, indent=1) + "\n")
     return python
-
-
-def _source_key(folder: Path) -> dict:
-    # The folder name carries the recipe's hash; size and mtime catch a rebuilt folder.
-    st = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(folder.glob("*.safetensors"))]
-    return {"folder": str(folder), "weights": st}
-
-
-def llama_cpp_source(root: Path) -> Path:
-    """llama.cpp's tree inside the unpacked sdist: its convert_hf_to_gguf.py and gguf-py."""
-    return root / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-
-
-def gguf_convert_cmd(python: Path, root: Path, folder: Path, out: Path, outtype: str = "f32") -> list:
-    """llama.cpp's converter on `folder`, through the worker's tokenizer workaround, with GGUF_FLAGS."""
-    return [python, WORKER, "convert-gguf", "--src", folder, "--out", out, "--llama-cpp", llama_cpp_source(root),
-            "--outtype", outtype, "--", *GGUF_FLAGS]
-
-
-def gguf_quantize_cmd(python: Path, src: Path, out: Path, ftype: str) -> list:
-    """llama.cpp's quantizer (llama_model_quantize, default params) from the GGUF `src` to `ftype`."""
-    return [python, WORKER, "quantize-gguf", "--src", src, "--out", out, "--ftype", ftype]
-
-
-def _gguf_f32(python: Path, root: Path, folder: Path, log: Path) -> tuple[Path, dict]:
-    out = root / "models" / folder.name
-    out.mkdir(parents=True, exist_ok=True)
-    gguf = out / "model-f32.gguf"
-    key = dict(_source_key(folder), converter=f"llama-cpp-python {LLAMA_CPP_PYTHON}", flags=list(GGUF_FLAGS))
-    if _stamp(out / "gguf.json") != key or not gguf.is_file():
-        print(f"setup: converting {folder} to GGUF f32 with llama.cpp's convert_hf_to_gguf.py", flush=True)
-        tmp = out / "model-f32.gguf.tmp"
-        _run("convert to GGUF", gguf_convert_cmd(python, root, folder, tmp), log,
-             "see the converter's message at the end of the log", env=_peer_env())
-        os.replace(tmp, gguf)
-        (out / "gguf.json").write_text(json.dumps(key, indent=1) + "\n")
-    return gguf, key
-
-
-def convert_gguf(python: Path, root: Path, folder: Path, log: Path, variant: str) -> Path:
-    """The GGUF of `variant` (GGUF_TYPES): f32 converted, the rest quantized from it; cached."""
-    f32, f32_key = _gguf_f32(python, root, folder, log)
-    if variant == "f32":
-        return f32
-    out = f32.parent
-    gguf = out / f"model-{variant}.gguf"
-    key = dict(f32_key, quantizer=f"llama-cpp-python {LLAMA_CPP_PYTHON} llama_model_quantize", ftype=variant)
-    if _stamp(out / f"gguf-{variant}.json") != key or not gguf.is_file():
-        print(f"setup: quantizing the f32 GGUF to {variant} with llama.cpp's llama_model_quantize", flush=True)
-        tmp = out / f"model-{variant}.gguf.tmp"
-        _run(f"quantize GGUF to {variant}", gguf_quantize_cmd(python, f32, tmp, variant), log,
-             "see llama.cpp's message at the end of the log", env=_peer_env())
-        os.replace(tmp, gguf)
-        (out / f"gguf-{variant}.json").write_text(json.dumps(key, indent=1) + "\n")
-    return gguf
-
-
-def ort_genai_options(variant: str, all_logits: bool = False, accuracy_level: int = ORT_GENAI_ACCURACY_LEVEL):
-    precision, more = ORT_GENAI_VARIANTS.get(variant, (variant, ()))
-    opts = list(ORT_GENAI_OPTIONS)
-    if all_logits:  # every position's logits (benchmarks/quant_accuracy.py), not only the last one's
-        opts = [o for o in opts if not o.startswith("prune_lm_head=")] + ["prune_lm_head=false"]
-    if precision in ("int4", "int8"):
-        opts += [f"accuracy_level={accuracy_level}", f"block_size={ORT_GENAI_BLOCK_SIZE}", *more]
-    return tuple(opts)
-
-
-def convert_ort(python: Path, root: Path, folder: Path, log: Path, variant: str, all_logits: bool = False,
-                accuracy_level: int = ORT_GENAI_ACCURACY_LEVEL) -> Path:
-    """`python -m onnxruntime_genai.models.builder -p PRECISION -e cpu` of `folder`; cached."""
-    out = root / "models" / folder.name
-    out.mkdir(parents=True, exist_ok=True)
-    options = ort_genai_options(variant, all_logits, accuracy_level)
-    precision = ORT_GENAI_VARIANTS.get(variant, (variant,))[0]
-    if precision == "fp32" and not all_logits:  # the fp32 names and key the cache has always used
-        og, stamp = out / "ort-genai-fp32-cpu", out / "ort-genai.json"
-        key = dict(_source_key(folder), builder=f"onnxruntime-genai {ORT_GENAI}", options=list(options))
-    else:
-        name = f"ort-genai-{variant}-cpu" + (f"-acc{accuracy_level}" if precision in ("int4", "int8") else "") \
-            + ("-all-logits" if all_logits else "")
-        og, stamp = out / name, out / f"{name}.json"
-        key = dict(_source_key(folder), builder=f"onnxruntime-genai {ORT_GENAI}", precision=precision,
-                   options=list(options))
-    if _stamp(stamp) != key or not (og / "genai_config.json").is_file():
-        print(f"setup: converting {folder} with onnxruntime_genai.models.builder ({precision}, cpu, "
-              f"{' '.join(options)})", flush=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".ort-genai-", dir=out))
-        try:
-            _run(f"convert to ORT GenAI {precision}", [python, "-m", "onnxruntime_genai.models.builder", "-i", folder,
-                 "-o", tmp / "model", "-p", precision, "-e", "cpu", "-c", tmp / "cache",
-                 "--extra_options", "hf_token=false", *options], log, "see the builder's message at the end of the log",
-                 env=_peer_env())
-            shutil.rmtree(og, ignore_errors=True)
-            os.replace(tmp / "model", og)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        stamp.write_text(json.dumps(key, indent=1) + "\n")
-    return og
 
 
 def convert(python: Path, root: Path, folder: Path, log: Path, wanted=(("llama.cpp", "f32"), ("ort-genai", "fp32")),
@@ -353,112 +202,7 @@ def setup(args, folder: Path, wanted=None) -> tuple[Path, dict]:
     return python, convert(python, root, folder, log, wanted, args.ort_accuracy_level)
 
 
-# -- llmc engines ------------------------------------------------------------------------------------
-
-
-def optional_passes() -> list[str]:
-    from llmc.passes.pipeline import optional_passes
-
-    return optional_passes()
-
-
-def build_engine(model: str, out: Path, flags: list[str]) -> str | None:
-    """Build an engine; None on success, else the build's last error line."""
-    print(f"build: llmc build {model} {' '.join(flags)}".rstrip(), flush=True)
-    r = subprocess.run([sys.executable, "-m", "llmc.cli", "build", model, "-o", str(out), "--overwrite", *flags],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if r.returncode == 0:
-        return None
-    return (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-
-
-def disable(passes) -> list[str]:
-    return [f for p in passes for f in ("--disable-pass", p)]
-
-
-def build_variants(args, work: Path) -> tuple[list[tuple[str, Path]], dict[str, str]]:
-    """The llmc engines to measure, and a build error per variant that could not be built."""
-    engines, failed = parse_llmc(args.llmc), {}
-
-    def variant(name: str, out: Path, flags: list[str]) -> None:
-        engines.append((name, out))
-        err = build_engine(args.model, out, flags)
-        if err:
-            failed[name] = f"build failed: {err}"
-
-    if not engines:
-        engines.append(("llmc", work / "engine"))
-        err = build_engine(args.model, engines[-1][1], [])
-        if err:
-            raise SystemExit(f"error: llmc build {args.model} failed: {err}")
-    if args.lossless:
-        variant("llmc --lossless-weights", work / "engine-lossless", ["--lossless-weights"])
-    optional = optional_passes()
-    if args.no_fusions:
-        out = work / "engine-no-fusions"
-        off = list(optional)
-        err = build_engine(args.model, out, disable(off))
-        if err and "native-gqa" in off:
-            # At the time of writing, paged-kv-cache only recognises attention once native-gqa has
-            # removed the K/V head expansion, so with it off the build fails; keep it and say so.
-            print(f"build: without any optional pass the build fails ({err}); retrying with native-gqa on",
-                  flush=True)
-            off.remove("native-gqa")
-            err = build_engine(args.model, out, disable(off))
-        kept = [p for p in optional if p not in off]
-        name = "llmc, no fusions" + (f" (+{','.join(kept)})" if kept else "")
-        engines.append((name, out))
-        if err:
-            failed[name] = f"build failed: {err}"
-    if args.ablate:
-        for p in optional:
-            variant(f"llmc -{p}", work / f"engine-no-{p}", disable([p]))
-    return engines, failed
-
-
-# -- workers -------------------------------------------------------------------------------------------
-
-
-class Worker:
-    def __init__(self, name: str, python: Path, args: list[str], log: Path, env: dict | None = None,
-                 src: Path = REPO):
-        self.name, self.log = name, log
-        self.proc = subprocess.Popen([str(python), str(src / WORKER.relative_to(REPO)), "serve", *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
-                                     bufsize=1, env=env, cwd=src)
-        self.info = self._read()["info"]
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.name} worker exited; {self._tail()}")
-        msg = json.loads(line)
-        if "error" in msg:
-            raise RuntimeError(f"{self.name}: {msg['error']}; log: {self.log}")
-        return msg
-
-    def _tail(self) -> str:
-        try:
-            lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            lines = []
-        return f"last log line: {lines[-1] if lines else '(empty)'}; log: {self.log}"
-
-    def call(self, cmd: str, **kw):
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
-        return self._read()["result"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write('{"cmd": "quit"}\n')
-                self.proc.stdin.close()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-
-
-# -- roofline --------------------------------------------------------------------------------------------
+# -- measurement -------------------------------------------------------------------------------------
 
 
 def cpu_times(pids) -> tuple[float, float] | None:
@@ -474,334 +218,6 @@ def cpu_times(pids) -> tuple[float, float] | None:
         tick = os.sysconf("SC_CLK_TCK")
         return (sum(v) - v[3] - v[4]) / tick, ours / tick
     except (OSError, ValueError, IndexError):
-        return None
-
-
-def experts_read(cfg: dict, batch: int = 1) -> float:
-    """The share of a mixture-of-experts layer's experts a decode step of `batch` rows reads: k / E
-    for one row; for more, the expected share of experts at least one row chose, 1 - (1 - k/E)^batch,
-    if each row's k experts were drawn uniformly (1.0 for a dense model)."""
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-    if not experts:
-        return 1.0
-    return 1 - (1 - cfg["num_experts_per_tok"] / experts) ** batch
-
-
-# A checkpoint's per-expert tensor, or a stack of every expert's (transformers 5's names, gpt-oss's
-# biases and MXFP4 parts), of which a step reads the chosen experts' rows.
-PER_EXPERT = re.compile(r"\.experts\.(\d+\.|(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$)")
-
-
-def _decode_step_reads(folder: Path, size, batch: int = 1) -> int:
-    """What one decode step reads of the safetensors in `folder`, each tensor counted as size(bytes,
-    shape, name): every tensor, but an untied embedding only one row (a Gather reads one row a token)
-    and each expert's tensors the share of experts a row chooses (experts_read)."""
-    cfg = json.loads((folder / "config.json").read_text())
-    active = experts_read(cfg, batch)
-    total, embed, row = 0, 0, 0
-    for f in sorted(folder.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            n = size(t["data_offsets"][1] - t["data_offsets"][0], t["shape"], name)
-            total += n * active if PER_EXPERT.search(name) else n
-            if name.endswith("embed_tokens.weight"):
-                embed, row = n, n // t["shape"][0]
-    if not cfg.get("tie_word_embeddings", False):
-        total += row - embed
-    return int(total)
-
-
-def weight_bytes(folder: Path, batch: int = 1) -> int:
-    """Bytes of weights one decode step of `batch` rows reads."""
-    return _decode_step_reads(folder, lambda nbytes, shape, name: nbytes, batch)
-
-
-def parameter_count(folder: Path) -> int:
-    """Parameters one decode step reads, counted as weight_bytes counts bytes (an MXFP4 stack's: two
-    a byte of its blocks, none in its scales)."""
-    per_element = {"_blocks": 2, "_scales": 0}
-    return _decode_step_reads(folder, lambda nbytes, shape, name: math.prod(shape) * per_element.get(name[-7:], 1))
-
-
-def gguf_tensors(path: Path) -> dict[str, tuple[int, list[int]]]:
-    """{tensor name: (bytes stored, dims)} of a GGUF file (v2/v3), read from its header; a tensor's
-    bytes are the distance to the next tensor's data (so alignment padding, < 32 bytes, is counted)."""
-    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-    with open(path, "rb") as f:
-        def read(fmt):
-            return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
-
-        def string():
-            return f.read(read("Q")).decode("utf-8", "replace")
-
-        def value(vtype):
-            if vtype == 8:
-                return string()
-            if vtype == 9:
-                item, n = read("I"), read("Q")
-                if item in scalar:  # skip numeric arrays without decoding them
-                    f.seek(n * struct.calcsize("<" + scalar[item]), 1)
-                    return None
-                return [value(item) for _ in range(n)]
-            return read(scalar[vtype])
-
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        read("I")  # version
-        n_tensors, n_kv = read("Q"), read("Q")
-        align = 32
-        for _ in range(n_kv):
-            k = string()
-            v = value(read("I"))
-            if k == "general.alignment":
-                align = int(v)
-        infos = []
-        for _ in range(n_tensors):
-            name = string()
-            dims = [read("Q") for _ in range(read("I"))]
-            read("I")  # ggml type
-            infos.append((read("Q"), name, dims))
-        data = (f.tell() + align - 1) // align * align
-    size = path.stat().st_size
-    infos.sort()
-    ends = [o for o, _, _ in infos[1:]] + [size - data]
-    return {name: (end - off, dims) for (off, name, dims), end in zip(infos, ends)}
-
-
-def gguf_weight_bytes(path: Path, experts_active: float = 1.0) -> tuple[int, str]:
-    """Bytes of a GGUF's tensors one decode step reads: all of them, but token_embd only one row
-    when an output.weight of its own exists (tied, token_embd is the LM head and read whole), and
-    the stacked experts (`*_exps`) the share `experts_active` of them."""
-    t = gguf_tensors(path)
-    total = int(sum(b * experts_active if "_exps." in name else b for name, (b, _) in t.items()))
-    if "output.weight" in t and "token_embd.weight" in t:
-        b, dims = t["token_embd.weight"]
-        total -= b - b // dims[-1]
-        return total, "GGUF tensors, token_embd one row"
-    return total, "GGUF tensors (tied token_embd read whole as the output)"
-
-
-def onnx_weight_bytes(model: Path, experts_active: float = 1.0) -> tuple[int, str, float | None]:
-    """(bytes of the initializers one decode step reads, how counted, bytes per KV element) of an
-    ONNX model with its external data: every initializer, but one that only Gather-type nodes take
-    as their data (an embedding table looked up by token id) counts one row of its first dim, and
-    an Experts node's stacks (inputs 3 and 4) the share `experts_active` of them."""
-    import onnx
-
-    g = onnx.load(str(model), load_external_data=False).graph
-    users: dict[str, set] = {}
-    for n in g.node:
-        for i, x in enumerate(n.input):
-            users.setdefault(x, set()).add((n.op_type, i))
-    total, gathered = 0, 0
-    for t in g.initializer:
-        ext = {e.key: e.value for e in t.external_data}
-        if "length" in ext:
-            n = int(ext["length"])
-        elif t.raw_data:
-            n = len(t.raw_data)
-        else:
-            count = 1
-            for d in t.dims:
-                count *= d
-            n = count * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-        u = users.get(t.name, set())
-        if u and t.dims and all(op.startswith("Gather") and i != 1 for op, i in u):
-            gathered += n - n // t.dims[0]
-            n //= t.dims[0]
-        elif u and all(op == "Experts" and i in (3, 4) for op, i in u):
-            n = int(n * experts_active)
-        total += n
-    kv = None
-    elem = {1: 4.0, 10: 2.0, 16: 2.0}
-    for i in g.input:
-        if i.name.startswith(("past_key_values", "kv_cache")):
-            kv = elem.get(i.type.tensor_type.elem_type)
-            break
-    note = "ONNX initializers" + (f", gathered tables one row ({gathered / 1e6:.1f} MB not read)" if gathered else "")
-    return total, note, kv
-
-
-def kv_bytes_per_position(folder: Path, dtype_bytes: int) -> int:
-    cfg = json.loads((folder / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * dtype_bytes
-
-
-# -- report -------------------------------------------------------------------------------------------------
-
-
-def med(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
-def fmt(xs, scale, digits):
-    if not xs:
-        return "-"
-    return f"{med(xs) * scale:.{digits}f} [{min(xs) * scale:.{digits}f}..{max(xs) * scale:.{digits}f}]"
-
-
-def report(res: dict, args) -> str:
-    rows, roof = res["runtimes"], res["roofline"]
-    peers_ok = [n for n, r in rows.items() if r["kind"] != "llmc" and r.get("check_ok") and r["tpot"]]
-    best = {}
-    for metric, pick in (("ttft", min), ("tpot", min), ("b8", max)):
-        vals = {n: med(rows[n][metric]) for n in peers_ok if rows[n][metric]}
-        best[metric] = pick(vals.items(), key=lambda kv: kv[1]) if vals else None
-    bw = res["bandwidth_bytes_per_s"]
-    quant = args.bits != "fp32"
-    share = "own_roofline_share" if quant else "roofline_share"  # the "%roofline" column
-    out = [f"{args.model} {'fp32' if not quant else args.bits + ' peers'} · batch 1: {args.prompt_len}-token prompt, "
-           f"{args.new_tokens} new tokens, greedy, "
-           f"no early stop · batch {args.batch} (b8 columns): {args.new_tokens - 1} decode steps after "
-           f"{args.prompt_len}-token prompts · "
-           f"{args.threads} threads · median of {args.reps} interleaved reps [min..max]",
-           f"DRAM read bandwidth ({res['bandwidth_method']}), measured before every measurement: "
-           f"{fmt(bw, 1e-9, 1)} GB/s",
-           f"  -> at the median, roofline TPOT "
-           f"{roof['tpot'] * 1e3:.2f} ms ({roof['weight_bytes'] / 1e6:.1f} MB weights + "
-           f"{roof['kv_bytes'] / 1e6:.1f} MB KV per token), batch-{args.batch} roofline {roof['b8_tok_s']:.0f} tok/s"]
-    if quant:
-        out[-1] = out[-1].replace("  -> at the median, roofline", "  -> at the median, the source's roofline")
-        i = roof["int4_ideal"]
-        out.append(f"  -> int4 ideal ({i['bits_per_weight']} bits x {i['parameters'] / 1e6:.1f} M parameters = "
-                   f"{i['weight_bytes'] / 1e6:.1f} MB weights + {i['kv_bytes'] / 1e6:.1f} MB KV per token): "
-                   f"roofline TPOT {i['tpot'] * 1e3:.2f} ms")
-        out.append("  each row's own roofline (its own stored weight bytes + its KV), the %roofline column:")
-        for name, r in rows.items():
-            o = r.get("own_roofline")
-            if o:
-                out.append(f"     {name}: {o['weight_bytes'] / 1e6:.1f} MB weights ({o['how']}) + "
-                           f"{o['kv_bytes'] / 1e6:.1f} MB {o['kv_dtype']} KV -> {o['tpot'] * 1e3:.2f} ms")
-    for name, r in rows.items():  # what the Experts kernel counted it read, beside what uniform routing predicts
-        if r.get("expert_bytes_b1") and r.get("experts_total_bytes"):
-            total, (share1, share8) = r["experts_total_bytes"], r["experts_share"]
-            out.append(f"  {name}: expert bytes read per decode step, counted by the kernel: batch 1 "
-                       f"{med(r['expert_bytes_b1']) / 1e6:.1f} MB, batch {args.batch} "
-                       f"{med(r.get('expert_bytes_b8') or [0]) / 1e6:.1f} MB, of {total / 1e6:.1f} MB of experts "
-                       f"(uniform routing would read {share1 * total / 1e6:.1f} MB and {share8 * total / 1e6:.1f} MB)")
-    w = max(len("runtime"), *(len(n) for n in rows)) + 2
-    head = (f"{'runtime':{w}s}{'same model?':16s}{'TTFT ms':>27s}{'TPOT ms':>27s}{'b8 tok/s':>27s}"
-            f"{'%roofline':>10s}{'TTFT/best':>10s}{'TPOT/best':>10s}{'b8/best':>9s}"
-            + (f"{'%int4 ideal':>12s}" if args.bits == "int4" else ""))
-    if res["others_cpu_share"]:
-        o = res["others_cpu_share"]
-        out.append(f"CPU used by other processes during the reps: {fmt(o, 100, 0)} % of the machine"
-                   + ("  << contended: numbers are noisy" if max(o) > 0.05 else ""))
-    out += ["", head, "-" * len(head)]
-    for name, r in rows.items():
-        if r.get("failed"):
-            out.append(f"{name:{w}s}FAILED: {r['failed']}")
-            continue
-        ratios = []
-        for metric in ("ttft", "tpot", "b8"):
-            b = best[metric]
-            ratios.append(f"{med(r[metric]) / b[1]:.2f}x" if b and r[metric] else "-")
-        pct = f"{med(r[share]) * 100:.0f}%" if r.get(share) else "-"
-        ideal = ""
-        if args.bits == "int4":
-            ideal = f"{med(r['int4_ideal_share']) * 100:.0f}%" if r.get("int4_ideal_share") else "-"
-            ideal = f"{ideal:>12s}"
-        out.append(f"{name:{w}s}{r['check']:16s} {fmt(r['ttft'], 1e3, 1):>26s} {fmt(r['tpot'], 1e3, 2):>26s} "
-                   f"{fmt(r['b8'], 1, 1):>26s}{pct:>10s}{ratios[0]:>10s}{ratios[1]:>10s}{ratios[2]:>9s}{ideal}")
-    names = {m: (b[0] if b else "none") for m, b in best.items()}
-    out.append(f"best peer: TTFT {names['ttft']} · TPOT {names['tpot']} · b8 {names['b8']}"
-               + ("" if len(peers_ok) == len([r for r in rows.values() if r["kind"] != "llmc"])
-                  else " (peers that failed or disagreed in the same-model check are left out)"))
-    for name, r in rows.items():
-        if r["kind"] != "llmc" or not r["tpot"] or not all(best.values()):
-            continue
-        t = med(r["tpot"]) / best["tpot"][1]
-        f = med(r["ttft"]) / best["ttft"][1]
-        b = med(r["b8"]) / best["b8"][1]
-        p = med(r.get(share) or [float("nan")])
-
-        def ok(c):
-            return "PASS" if c else "FAIL"
-
-        out.append(f"targets {name}: TPOT {t:.2f}x best peer (<= 0.90x) {ok(t <= 0.9)} · {p * 100:.0f}% of roofline "
-                   f"(>= 85%) {ok(p >= 0.85)} · TTFT {f:.2f}x (<= 0.90x) {ok(f <= 0.9)} · b8 {b:.2f}x (>= 1.30x) "
-                   f"{ok(b >= 1.3)}")
-    for name, r in rows.items():
-        if r.get("setup"):
-            out.append(f"note {name}: its TTFT includes {med(r['setup']) * 1e3:.1f} ms making the Generator, "
-                       "its per-request object (KV buffers sized to the request)")
-    for name, r in rows.items():
-        if r.get("check_detail"):
-            out.append(f"check {name}: {r['check_detail']}")
-    return "\n".join(out)
-
-
-# -- main ----------------------------------------------------------------------------------------------------
-
-
-def parse_llmc(specs: list[str]) -> list[tuple[str, Path]]:
-    from llmc.contract import MANIFEST
-
-    out = []
-    for s in specs:
-        name, sep, path = s.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"error: --llmc wants NAME=ENGINE_DIR (got {s!r})")
-        if not (Path(path) / MANIFEST).is_file():
-            raise SystemExit(f"error: --llmc {name}: {path} is not an llmc engine (no {MANIFEST}); build one "
-                             "with `llmc build MODEL -o DIR`")
-        out.append((name, Path(path)))
-    return out
-
-
-def parse_llmc_src(specs: list[str], names: list[str]) -> dict[str, Path]:
-    out = {}
-    for s in specs:
-        name, sep, path = s.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"error: --llmc-src wants NAME=CHECKOUT_DIR (got {s!r})")
-        if name not in names:
-            raise SystemExit(f"error: --llmc-src {name}: no --llmc {name}=ENGINE_DIR to run from it")
-        src = Path(path).expanduser().resolve()
-        if not ((src / "llmc" / "__init__.py").is_file() and (src / WORKER.relative_to(REPO)).is_file()):
-            raise SystemExit(f"error: --llmc-src {name}: {src} is not an llmc checkout (no llmc/__init__.py and "
-                             f"{WORKER.relative_to(REPO)}); its C kernels must be built there too "
-                             "(python setup.py build_ext --inplace)")
-        out[name] = src
-    return out
-
-
-def src_env(src: Path) -> dict:
-    # PYTHONPATH puts the checkout's llmc ahead of the editable install's finder (which only
-    # answers what sys.path does not). The worker imports only llmc.runtime, never llmc.models
-    # (which that finder maps to this repo's models/).
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(src)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-
-
-def own_bytes(kind: str, path: Path | None, info: dict, args, experts_active: float = 1.0) -> dict | None:
-    """A row's own weight bytes per decode step and KV element size, from its own files (a MoE's
-    experts counted as the share of them a step reads: experts_read)."""
-    if path is None:
-        return None
-    try:
-        if kind == "llama.cpp":
-            wb, note = gguf_weight_bytes(Path(path), experts_active)
-            return {"weight_bytes": wb, "how": note, "kv_dtype_bytes": LLAMA_KV_BYTES[args.llama_kv_type],
-                    "kv_dtype": args.llama_kv_type}
-        if kind == "ort-genai":
-            wb, note, kv = onnx_weight_bytes(Path(path) / "model.onnx")
-            return {"weight_bytes": wb, "how": note, "kv_dtype_bytes": kv or 4.0,
-                    "kv_dtype": {4.0: "fp32", 2.0: "16-bit"}.get(kv or 4.0)}
-        from llmc.contract.engine_dir import open_engine
-
-        m = open_engine(path).manifest
-        wb, note, _ = onnx_weight_bytes(Path(path) / m.payload.model, experts_active)
-        if m.build_options.lossless_weights:
-            note += "; a --lossless-weights engine stores two copies and both are counted"
-        kv = m.kv_cache.dtype
-        return {"weight_bytes": wb, "how": note, "kv_dtype_bytes": LLMC_KV_BYTES.get(kv, 4.0), "kv_dtype": kv}
-    except Exception as exc:  # noqa: BLE001  (a roofline we cannot count is left out, not fatal)
-        print(f"warning: cannot count the weight bytes of {path}: {type(exc).__name__}: {exc}", flush=True)
         return None
 
 
@@ -831,7 +247,7 @@ def measure(args, folder: Path, peers: list[str], python: Path | None, converted
               src_env(srcs[name]) if name in srcs else None, srcs.get(name, REPO))
              for name, path in engines if name not in build_failed]
     kv_args = ["--kv-type", args.llama_kv_type] + (["--flash-attn", "on"] if args.llama_kv_type == "q8_0" else [])
-    specs += [(name, peer, python, [peer, "--model", str(converted[(peer, variant)]), *common, *kv_args], _peer_env(),
+    specs += [(name, peer, python, [peer, "--model", str(converted[(peer, variant)]), *common, *kv_args], peer_env(),
                REPO) for name, peer, variant in peer_rows(args.bits, peers)]
     files = {name: path for name, path in engines}  # what each row's own roofline counts the bytes of
     files.update({name: converted[(peer, variant)] for name, peer, variant in peer_rows(args.bits, peers)})
@@ -1023,10 +439,10 @@ def measure_speculative(args, folder: Path, python: Path, converted: dict, work:
         "llmc": (Path(sys.executable), ["llmc", "--model", str(engine)], None),
         "llmc ngram": (Path(sys.executable), ["llmc", "--model", str(engine), "--speculative", "ngram",
                                               "--num-speculative-tokens", str(k)], None),
-        "llama.cpp": (python, ["llama.cpp-lookup", "--model", gguf, *ctx], _peer_env()),
+        "llama.cpp": (python, ["llama.cpp-lookup", "--model", gguf, *ctx], peer_env()),
         f"llama.cpp lookup {k}": (python, ["llama.cpp-lookup", "--model", gguf, *ctx, "--lookup", str(k)],
-                                  _peer_env()),
-        "llama.cpp lookup 10": (python, ["llama.cpp-lookup", "--model", gguf, *ctx, "--lookup", "10"], _peer_env()),
+                                  peer_env()),
+        "llama.cpp lookup 10": (python, ["llama.cpp-lookup", "--model", gguf, *ctx, "--lookup", "10"], peer_env()),
     }
     workers = {}
     try:
@@ -1075,6 +491,113 @@ def measure_speculative(args, folder: Path, python: Path, converted: dict, work:
     agree = sum(a == b for a, b in zip(tokens["llmc"], tokens["llama.cpp"]))
     print(f"llmc and llama.cpp give the same greedy tokens for {agree}/{len(prompts)} prompts")
     return True
+
+
+# -- report -------------------------------------------------------------------------------------------------
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def fmt(xs, scale, digits):
+    if not xs:
+        return "-"
+    return f"{med(xs) * scale:.{digits}f} [{min(xs) * scale:.{digits}f}..{max(xs) * scale:.{digits}f}]"
+
+
+def report(res: dict, args) -> str:
+    rows, roof = res["runtimes"], res["roofline"]
+    peers_ok = [n for n, r in rows.items() if r["kind"] != "llmc" and r.get("check_ok") and r["tpot"]]
+    best = {}
+    for metric, pick in (("ttft", min), ("tpot", min), ("b8", max)):
+        vals = {n: med(rows[n][metric]) for n in peers_ok if rows[n][metric]}
+        best[metric] = pick(vals.items(), key=lambda kv: kv[1]) if vals else None
+    bw = res["bandwidth_bytes_per_s"]
+    quant = args.bits != "fp32"
+    share = "own_roofline_share" if quant else "roofline_share"  # the "%roofline" column
+    out = [f"{args.model} {'fp32' if not quant else args.bits + ' peers'} · batch 1: {args.prompt_len}-token prompt, "
+           f"{args.new_tokens} new tokens, greedy, "
+           f"no early stop · batch {args.batch} (b8 columns): {args.new_tokens - 1} decode steps after "
+           f"{args.prompt_len}-token prompts · "
+           f"{args.threads} threads · median of {args.reps} interleaved reps [min..max]",
+           f"DRAM read bandwidth ({res['bandwidth_method']}), measured before every measurement: "
+           f"{fmt(bw, 1e-9, 1)} GB/s",
+           f"  -> at the median, roofline TPOT "
+           f"{roof['tpot'] * 1e3:.2f} ms ({roof['weight_bytes'] / 1e6:.1f} MB weights + "
+           f"{roof['kv_bytes'] / 1e6:.1f} MB KV per token), batch-{args.batch} roofline {roof['b8_tok_s']:.0f} tok/s"]
+    if quant:
+        out[-1] = out[-1].replace("  -> at the median, roofline", "  -> at the median, the source's roofline")
+        i = roof["int4_ideal"]
+        out.append(f"  -> int4 ideal ({i['bits_per_weight']} bits x {i['parameters'] / 1e6:.1f} M parameters = "
+                   f"{i['weight_bytes'] / 1e6:.1f} MB weights + {i['kv_bytes'] / 1e6:.1f} MB KV per token): "
+                   f"roofline TPOT {i['tpot'] * 1e3:.2f} ms")
+        out.append("  each row's own roofline (its own stored weight bytes + its KV), the %roofline column:")
+        for name, r in rows.items():
+            o = r.get("own_roofline")
+            if o:
+                out.append(f"     {name}: {o['weight_bytes'] / 1e6:.1f} MB weights ({o['how']}) + "
+                           f"{o['kv_bytes'] / 1e6:.1f} MB {o['kv_dtype']} KV -> {o['tpot'] * 1e3:.2f} ms")
+    for name, r in rows.items():  # what the Experts kernel counted it read, beside what uniform routing predicts
+        if r.get("expert_bytes_b1") and r.get("experts_total_bytes"):
+            total, (share1, share8) = r["experts_total_bytes"], r["experts_share"]
+            out.append(f"  {name}: expert bytes read per decode step, counted by the kernel: batch 1 "
+                       f"{med(r['expert_bytes_b1']) / 1e6:.1f} MB, batch {args.batch} "
+                       f"{med(r.get('expert_bytes_b8') or [0]) / 1e6:.1f} MB, of {total / 1e6:.1f} MB of experts "
+                       f"(uniform routing would read {share1 * total / 1e6:.1f} MB and {share8 * total / 1e6:.1f} MB)")
+    w = max(len("runtime"), *(len(n) for n in rows)) + 2
+    head = (f"{'runtime':{w}s}{'same model?':16s}{'TTFT ms':>27s}{'TPOT ms':>27s}{'b8 tok/s':>27s}"
+            f"{'%roofline':>10s}{'TTFT/best':>10s}{'TPOT/best':>10s}{'b8/best':>9s}"
+            + (f"{'%int4 ideal':>12s}" if args.bits == "int4" else ""))
+    if res["others_cpu_share"]:
+        o = res["others_cpu_share"]
+        out.append(f"CPU used by other processes during the reps: {fmt(o, 100, 0)} % of the machine"
+                   + ("  << contended: numbers are noisy" if max(o) > 0.05 else ""))
+    out += ["", head, "-" * len(head)]
+    for name, r in rows.items():
+        if r.get("failed"):
+            out.append(f"{name:{w}s}FAILED: {r['failed']}")
+            continue
+        ratios = []
+        for metric in ("ttft", "tpot", "b8"):
+            b = best[metric]
+            ratios.append(f"{med(r[metric]) / b[1]:.2f}x" if b and r[metric] else "-")
+        pct = f"{med(r[share]) * 100:.0f}%" if r.get(share) else "-"
+        ideal = ""
+        if args.bits == "int4":
+            ideal = f"{med(r['int4_ideal_share']) * 100:.0f}%" if r.get("int4_ideal_share") else "-"
+            ideal = f"{ideal:>12s}"
+        out.append(f"{name:{w}s}{r['check']:16s} {fmt(r['ttft'], 1e3, 1):>26s} {fmt(r['tpot'], 1e3, 2):>26s} "
+                   f"{fmt(r['b8'], 1, 1):>26s}{pct:>10s}{ratios[0]:>10s}{ratios[1]:>10s}{ratios[2]:>9s}{ideal}")
+    names = {m: (b[0] if b else "none") for m, b in best.items()}
+    out.append(f"best peer: TTFT {names['ttft']} · TPOT {names['tpot']} · b8 {names['b8']}"
+               + ("" if len(peers_ok) == len([r for r in rows.values() if r["kind"] != "llmc"])
+                  else " (peers that failed or disagreed in the same-model check are left out)"))
+    for name, r in rows.items():
+        if r["kind"] != "llmc" or not r["tpot"] or not all(best.values()):
+            continue
+        t = med(r["tpot"]) / best["tpot"][1]
+        f = med(r["ttft"]) / best["ttft"][1]
+        b = med(r["b8"]) / best["b8"][1]
+        p = med(r.get(share) or [float("nan")])
+
+        def ok(c):
+            return "PASS" if c else "FAIL"
+
+        out.append(f"targets {name}: TPOT {t:.2f}x best peer (<= 0.90x) {ok(t <= 0.9)} · {p * 100:.0f}% of roofline "
+                   f"(>= 85%) {ok(p >= 0.85)} · TTFT {f:.2f}x (<= 0.90x) {ok(f <= 0.9)} · b8 {b:.2f}x (>= 1.30x) "
+                   f"{ok(b >= 1.3)}")
+    for name, r in rows.items():
+        if r.get("setup"):
+            out.append(f"note {name}: its TTFT includes {med(r['setup']) * 1e3:.1f} ms making the Generator, "
+                       "its per-request object (KV buffers sized to the request)")
+    for name, r in rows.items():
+        if r.get("check_detail"):
+            out.append(f"check {name}: {r['check_detail']}")
+    return "\n".join(out)
+
+
+# -- main ----------------------------------------------------------------------------------------------------
 
 
 def main() -> None:

@@ -62,8 +62,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import peers  # (benchmarks/peers.py: the peers' venv, conversions and workers)
-import peers_worker  # (the per-token arithmetic every row shares)
+import peers  # (benchmarks/peers.py: the peers' venv and configurations)
+from peer_runtimes import accuracy  # (the per-token arithmetic every row shares)
+from peer_runtimes import llama_cpp, llmc_engine, ort_genai, roofline, shared  # (conversions, workers, byte counts)
 
 DEFAULT_MAX_TOKENS = 20000
 # (row name, peer, variant, KV cache type, flash attention); variants as peers.PEER_ROWS names them.
@@ -229,9 +230,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=None, help="window length [default: the reference's max context]")
     ap.add_argument("--overlap", type=int, default=None, help="[default: half the window]")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ort-accuracy-level", type=int, choices=[1, 2, 3, 4], default=peers.ORT_GENAI_ACCURACY_LEVEL)
-    ap.add_argument("--peers-venv", type=Path, default=peers.cache_root() / "peers-venv")
-    ap.add_argument("--peers-dir", type=Path, default=peers.cache_root() / "peers")
+    ap.add_argument("--ort-accuracy-level", type=int, choices=[1, 2, 3, 4], default=ort_genai.ORT_GENAI_ACCURACY_LEVEL)
+    ap.add_argument("--peers-venv", type=Path, default=shared.cache_root() / "peers-venv")
+    ap.add_argument("--peers-dir", type=Path, default=shared.cache_root() / "peers")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
 
@@ -244,7 +245,7 @@ def main() -> None:
         raise SystemExit(f"error: unknown peer {min(unknown)!r}; peers are {', '.join(peers.PEERS)}")
     wanted_rows = [r for r in PEER_ACCURACY_ROWS if r[1] in chosen
                    and (not args.rows or any(k in r[0] for k in args.rows.split(",") if k))]
-    engines = peers.parse_llmc(args.llmc)
+    engines = llmc_engine.parse_llmc(args.llmc)
     root = args.peers_dir.expanduser().resolve()
 
     ref_dir = args.reference
@@ -254,7 +255,7 @@ def main() -> None:
 
         if not (ref_dir / MANIFEST).is_file():
             ref_dir.parent.mkdir(parents=True, exist_ok=True)
-            err = peers.build_engine(args.model, ref_dir, [])
+            err = llmc_engine.build_engine(args.model, ref_dir, [])
             if err:
                 raise SystemExit(f"error: llmc build {args.model} failed: {err}")
 
@@ -272,15 +273,16 @@ def main() -> None:
                 if (peer, variant) in converted:
                     continue
                 if peer == "llama.cpp":
-                    converted[(peer, variant)] = peers.convert_gguf(python, root, folder, root / "setup.log", variant)
+                    converted[(peer, variant)] = llama_cpp.convert_gguf(python, root, folder, root / "setup.log",
+                                                                        variant)
                 else:
-                    converted[(peer, variant)] = peers.convert_ort(python, root, folder, root / "setup.log", variant,
-                                                                   all_logits=True,
-                                                                   accuracy_level=args.ort_accuracy_level)
-        except peers.SetupError as exc:
+                    converted[(peer, variant)] = ort_genai.convert_ort(python, root, folder, root / "setup.log",
+                                                                       variant, all_logits=True,
+                                                                       accuracy_level=args.ort_accuracy_level)
+        except shared.SetupError as exc:
             raise SystemExit(f"error: {exc}") from None
 
-    params = peers.parameter_count(folder)
+    params = roofline.parameter_count(folder)
     work = Path(tempfile.mkdtemp(prefix="llmc-quant-accuracy-"))
     rows: dict[str, dict] = {}
     ok = True
@@ -310,7 +312,7 @@ def main() -> None:
 
         for name, path in engines:
             print(f"row: {name} ({path})", flush=True)
-            wb, how, _ = peers.onnx_weight_bytes(path / "model.onnx")
+            wb, how, _ = roofline.onnx_weight_bytes(path / "model.onnx")
             row = {"runtime": "llmc", "path": str(path), "weights": "llmc engine", "kv": "fp32",
                    "weight_bytes": wb, "weight_bytes_how": how, "bits_per_weight": bpw(wb)}
             try:
@@ -319,7 +321,7 @@ def main() -> None:
                 m = open_engine(path).manifest
                 row["kv"] = m.kv_cache.dtype
                 s = LlmcScorer(path, window, args.threads)
-                row["stats"] = summarize(peers_worker.accuracy(s.window_logits, str(plan_file), str(ref_file), vocab))
+                row["stats"] = summarize(accuracy.accuracy(s.window_logits, str(plan_file), str(ref_file), vocab))
             except Exception as exc:  # noqa: BLE001  (a row that fails is reported, the others still run)
                 row["error"] = f"{type(exc).__name__}: {exc}"
                 ok = False
@@ -329,25 +331,25 @@ def main() -> None:
             path = converted[(peer, variant)]
             print(f"row: {name} ({path})", flush=True)
             if peer == "llama.cpp":
-                wb, how = peers.gguf_weight_bytes(path)
+                wb, how = llama_cpp.gguf_weight_bytes(path)
                 wargs = [peer, "--model", str(path), "--threads", str(args.threads), "--max-seqs", "1",
                          "--ctx-per-seq", str(window), "--kv-type", kv, "--flash-attn", fa]
                 weights = {"f32": "f32", "f16": "f16", "bf16": "bf16"}.get(variant, variant.upper())
             else:
-                wb, how, _ = peers.onnx_weight_bytes(path / "model.onnx")
+                wb, how, _ = roofline.onnx_weight_bytes(path / "model.onnx")
                 wargs = [peer, "--model", str(path), "--threads", str(args.threads)]
-                precision = peers.ORT_GENAI_VARIANTS.get(variant, (variant,))[0]
-                weights = variant + (f" (MatMulNBits, block {peers.ORT_GENAI_BLOCK_SIZE}, accuracy_level "
+                precision = ort_genai.ORT_GENAI_VARIANTS.get(variant, (variant,))[0]
+                weights = variant + (f" (MatMulNBits, block {ort_genai.ORT_GENAI_BLOCK_SIZE}, accuracy_level "
                                      f"{args.ort_accuracy_level})" if precision in ("int4", "int8") else "")
             row = {"runtime": peer, "variant": variant, "path": str(path), "weights": weights,
                    "kv": kv + {"on": ", flash attn", "auto": ", flash attn auto", "off": ""}.get(fa, ""),
                    "weight_bytes": wb, "weight_bytes_how": how,
                    "bits_per_weight": bpw(wb)}
             if peer == "ort-genai":
-                row["ort_genai_options"] = list(peers.ort_genai_options(variant, True, args.ort_accuracy_level))
+                row["ort_genai_options"] = list(ort_genai.ort_genai_options(variant, True, args.ort_accuracy_level))
             w = None
             try:
-                w = peers.Worker(name, python, wargs, work / f"{peer}-{len(rows)}.log", peers._peer_env())
+                w = shared.Worker(name, python, wargs, work / f"{peer}-{len(rows)}.log", shared.peer_env())
                 row["info"] = w.info
                 row["stats"] = summarize(w.call("accuracy", plan=str(plan_file), ref=str(ref_file), vocab=vocab))
             except RuntimeError as exc:
@@ -375,7 +377,7 @@ def main() -> None:
                      "eval_windows": all_windows, "documents": len({d for d, _, _ in plan}),
                      "corpus_documents": len(docs), "context": window, "overlap": overlap,
                      "threads": args.threads, "parameters": params, "reference_perplexity": ref_ppl,
-                     "llama_cpp_python": peers.LLAMA_CPP_PYTHON, "onnxruntime_genai": peers.ORT_GENAI},
+                     "llama_cpp_python": llama_cpp.LLAMA_CPP_PYTHON, "onnxruntime_genai": ort_genai.ORT_GENAI},
            "rows": rows}
     print()
     print(render(res))

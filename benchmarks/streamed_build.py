@@ -124,7 +124,8 @@ from types import SimpleNamespace
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-import peers  # noqa: E402  (benchmarks/peers.py: the peers' venv, the GGUF steps, workers, rooflines)
+import peers  # noqa: E402  (benchmarks/peers.py: the peers' venv, the contention count)
+from peer_runtimes import llama_cpp, llmc_engine, roofline, shared  # noqa: E402  (GGUF steps, workers, rooflines)
 from common import host, host_line  # noqa: E402
 
 # -- shapes --------------------------------------------------------------------------------------
@@ -572,7 +573,7 @@ def _peers_python(args) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     try:
         return peers.setup_venv(venv, root, root / "setup.log")
-    except peers.SetupError as exc:
+    except shared.SetupError as exc:
         raise SystemExit(f"error: {exc}") from None
 
 
@@ -616,12 +617,12 @@ def build(args, folder: Path, results: dict) -> None:
 
     if not args.no_llama_cpp:
         python = _peers_python(args)
-        env = peers._peer_env()
+        env = shared.peer_env()
         root = args.peers_dir.expanduser().resolve()
         outtype = args.gguf_outtype
         source = work / f"model-{outtype}.gguf"
         key = ("llama.cpp", f"convert-{outtype}")
-        cmd = peers.gguf_convert_cmd(python, root, folder, source, outtype)
+        cmd = llama_cpp.gguf_convert_cmd(python, root, folder, source, outtype)
         why = _check_disk(work, SIZE_RATIO[outtype] * src_bytes, min_free, "the GGUF")
         if why:
             skipped(key, why, shlex.join(map(str, cmd)))
@@ -635,7 +636,7 @@ def build(args, folder: Path, results: dict) -> None:
                 continue
             out = work / f"model-{ftype}.gguf"
             key = ("llama.cpp", ftype)
-            cmd = peers.gguf_quantize_cmd(python, source, out, ftype)
+            cmd = llama_cpp.gguf_quantize_cmd(python, source, out, ftype)
             why = _check_disk(work, SIZE_RATIO[ftype] * src_bytes, min_free, f"the {GGUF_NAMES[ftype]} GGUF")
             if why:
                 skipped(key, why, shlex.join(map(str, cmd)))
@@ -656,7 +657,7 @@ def build(args, folder: Path, results: dict) -> None:
                 skipped(key, why, shlex.join(map(str, cmd)))
                 continue
             res = run_measured(f"llmc build --quant {q}", cmd, logs / f"llmc-build-{q}.log", src_files, out,
-                               env=peers.src_env(args.llmc_src) if args.llmc_src else None, **common)
+                               env=llmc_engine.src_env(args.llmc_src) if args.llmc_src else None, **common)
             res["llmc"] = llmc_revision(args.llmc_src)
             if args.llmc_src:
                 res["command"] = f"PYTHONPATH={args.llmc_src} {res['command']}"
@@ -717,16 +718,17 @@ def decode(args, folder: Path, rows_in: list[tuple[str, str, Path]], results: di
             print(f"load: {name} ({path})", flush=True)
             if kind == "llmc":
                 src = (srcs or {}).get(name)
-                w = peers.Worker(name, Path(sys.executable), ["llmc", "--model", str(path), *common],
-                                 work / f"{len(workers)}-llmc.log", peers.src_env(src) if src else None, src or REPO)
+                w = shared.Worker(name, Path(sys.executable), ["llmc", "--model", str(path), *common],
+                                  work / f"{len(workers)}-llmc.log", llmc_engine.src_env(src) if src else None,
+                                  src or REPO)
                 rows[name]["llmc"] = llmc_revision(src)
             else:
-                w = peers.Worker(name, python, ["llama.cpp", "--model", str(path), *common,
-                                                "--kv-type", args.llama_kv_type], work / f"{len(workers)}-llama.log",
-                                 peers._peer_env())
+                w = shared.Worker(name, python, ["llama.cpp", "--model", str(path), *common,
+                                                 "--kv-type", args.llama_kv_type], work / f"{len(workers)}-llama.log",
+                                  shared.peer_env())
             workers[name] = w
             rows[name]["info"] = w.info
-        bw_worker = peers.Worker("bandwidth", Path(sys.executable), [
+        bw_worker = shared.Worker("bandwidth", Path(sys.executable), [
             "bandwidth", "--threads", str(args.threads), "--cache", str(args.peers_dir.expanduser() / "bandwidth")],
             work / "bandwidth.log")
         print("warm-up", flush=True)
@@ -762,12 +764,12 @@ def decode(args, folder: Path, rows_in: list[tuple[str, str, Path]], results: di
         else:
             print(f"worker logs kept in {work}", flush=True)
 
-    per_elem = peers.kv_bytes_per_position(folder, 1)
+    per_elem = roofline.kv_bytes_per_position(folder, 1)
     mean_ctx = args.prompt_len + args.new_tokens / 2
-    experts_active = peers.experts_read(json.loads((folder / "config.json").read_text()))
+    experts_active = roofline.experts_read(json.loads((folder / "config.json").read_text()))
     for name, r in rows.items():
-        own = peers.own_bytes(r["kind"], Path(r["path"]), r.get("info", {}),
-                              SimpleNamespace(llama_kv_type=args.llama_kv_type), experts_active)
+        own = roofline.own_bytes(r["kind"], Path(r["path"]), r.get("info", {}),
+                                 SimpleNamespace(llama_kv_type=args.llama_kv_type), experts_active)
         if own is None:
             continue
         own["kv_bytes"] = per_elem * own["kv_dtype_bytes"] * mean_ctx
@@ -778,7 +780,7 @@ def decode(args, folder: Path, rows_in: list[tuple[str, str, Path]], results: di
     run = {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "threads": args.threads, "reps": args.reps,
            "llama_kv_type": args.llama_kv_type, "others_cpu_share": others, "rows": rows,
            "bandwidth_method": bw_worker.info["method"] if bw_worker else None,
-           "source_weight_bytes": peers.weight_bytes(folder)}
+           "source_weight_bytes": roofline.weight_bytes(folder)}
     results.setdefault("decode", []).append(run)
     save(args.results, results)
     return run
@@ -902,9 +904,9 @@ def main() -> None:
         p.add_argument("--results", type=Path, default=None, help=f"JSON file the numbers merge into ({default_help})")
 
     def peers_args(p):
-        p.add_argument("--peers-venv", type=Path, default=peers.cache_root() / "peers-venv",
+        p.add_argument("--peers-venv", type=Path, default=shared.cache_root() / "peers-venv",
                        help="the peers' venv (peers.py's; set up on first use)")
-        p.add_argument("--peers-dir", type=Path, default=peers.cache_root() / "peers",
+        p.add_argument("--peers-dir", type=Path, default=shared.cache_root() / "peers",
                        help="peers.py's sdist, setup log and bandwidth kernel")
 
     def build_args(p):
@@ -1002,7 +1004,7 @@ def main() -> None:
         rows += [(n, "llama.cpp", p) for n, p in _pairs(args.gguf, "--gguf")]
         if not rows:
             raise SystemExit("error: give at least one --llmc NAME=ENGINE_DIR or --gguf NAME=FILE")
-        srcs = peers.parse_llmc_src(args.llmc_src, [n for n, kind, _ in rows if kind == "llmc"])
+        srcs = llmc_engine.parse_llmc_src(args.llmc_src, [n for n, kind, _ in rows if kind == "llmc"])
         decode(args, args.folder.resolve(), rows, results, srcs)
     else:
         folder = args.checkpoint.resolve()

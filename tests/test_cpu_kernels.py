@@ -155,7 +155,7 @@ def attention_case(case: dict) -> dict:
     if rot:
         heads[0], heads[1] = (_rotate(x, cos, sin, c["interleaved"]) for x in heads[:2])
     if c["sinks"]:
-        names += [""] * (12 - len(names)) + ["sinks"]  # cpu_ops.c: IN_SINKS
+        names += [""] * (12 - len(names)) + ["sinks"]  # ops.h: IN_SINKS
         feeds["sinks"] = np.resize(np.array([0.5, 8.0, -np.inf, -1.0], np.float32), h)
         attrs["sinks"] = feeds["sinks"]
     # The reference takes the heads already normalized: the kernel's attributes less the norm's.

@@ -39,7 +39,7 @@ from llmc.plugins import paged_attention as pa
 from llmc.plugins.cpu.library import MISSING_HINT, library_path
 
 HEADS_TO_TOKENS = (0, 2, 1, 3)  # [B, H, S, D] <-> [B, S, H, D]
-SINKS = 12  # llmc.cpu::PagedAttention's input (cpu_ops.c: IN_SINKS)
+SINKS = 12  # llmc.cpu::PagedAttention's input (ops.h: IN_SINKS)
 
 
 def _token_major(value: ir.Value, head_dim: int, norm_ok: bool = False) -> tuple[ir.Value | None, ir.Node | None]:

@@ -28,7 +28,7 @@ from llmc.passes.graph import graph_input
 from llmc.passes.manager import Pass, PassResult
 from llmc.plugins import cpu
 
-COS, SIN, POSITIONS = 7, 8, 9  # llmc.cpu::PagedAttention's optional inputs (then q_norm, k_norm: cpu_ops.c)
+COS, SIN, POSITIONS = 7, 8, 9  # llmc.cpu::PagedAttention's optional inputs (then q_norm, k_norm: ops.h)
 
 
 def _cone(outputs: list[ir.Value], source: ir.Value) -> list[ir.Node] | str:

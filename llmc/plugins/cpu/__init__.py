@@ -1,8 +1,9 @@
 """llmc.cpu: llmc's CPU kernels, a custom-op library ONNX Runtime loads.
 
-The C sources (attention.c, linear.c: the arithmetic; cpu_ops.c: ORT's custom-op ABI, whose few
-slots it uses are declared in ort_abi.h because the ORT wheel ships no headers) are compiled by
-setup.py when llmc is installed, as an optional extension: without a C compiler the install
+The C sources (attention.c, linear.c, quant.c, experts.c: the arithmetic; ort_glue.c: ORT's
+custom-op ABI, whose few slots it uses are declared in ort_abi.h because the ORT wheel ships no
+headers, and the ops' registration; ops.c, decoder_layer.c: the ops; threads.c: DecoderLayer's
+scheduler) are compiled by setup.py when llmc is installed, as an optional extension: without a C compiler the install
 still succeeds, the passes that target these ops stand aside and engines use standard ONNX ops.
 The library is a plain shared object for ORT's `register_custom_ops_library`, not a Python
 module; the build also calls its quantizer (quantize.c) through ctypes (passes/quantizers.py).
@@ -26,7 +27,7 @@ class PackedGemm(NamedTuple):
     num_outputs: int
 
 
-# The ops that run the packed GEMM (cpu_ops.c).
+# The ops that run the packed GEMM (ops.c).
 PACKED_GEMMS = {"PackedMatMul": PackedGemm(1, 1), "SkipRMSNormMatMul": PackedGemm(3, 2),
                 "SwiGLUMatMul": PackedGemm(1, 1)}
 

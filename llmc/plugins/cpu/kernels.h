@@ -1,6 +1,7 @@
-/* The arithmetic of llmc's CPU kernels, free of ONNX Runtime: cpu_ops.c binds it to ORT's
- * custom-op ABI. Semantics are those of llmc::PagedAttention (llmc/plugins/paged_attention.py,
- * whose numpy `reference` is the oracle in tests), with two fusions its ORT lowering lacks:
+/* The arithmetic of llmc's CPU kernels, free of ONNX Runtime: the ops (ops.c, decoder_layer.c;
+ * ort_glue.c registers them) bind it to ORT's custom-op ABI. Semantics are those of
+ * llmc::PagedAttention (llmc/plugins/paged_attention.py, whose numpy `reference` is the oracle in
+ * tests), with two fusions its ORT lowering lacks:
  * - the paged pool is read where it lies: no gathered copy of a row's blocks;
  * - the rotary embedding of Q and K is applied on the way in (ONNX RotaryEmbedding semantics,
  *   cos/sin given per token, or as tables indexed by position), and Q/K/V may arrive packed in one [B, S, (Hq + 2 Hkv) D] tensor,
@@ -204,7 +205,7 @@ int llmc_quant_fast_path(void);
  * down [E, ceil(hidden / 32), inter, 32]) or a quantized blob (format LLMC_FORMAT_INT* or MXFP4,
  * the experts' blobs one after another). A call plans (pairs sorted by expert, rows gathered), then
  * runs the up products, the activation, the down products, then combines; the ORT binding
- * (cpu_ops.c) runs each phase's tasks in parallel and, for a quantized format, quantizes each
+ * (ops.c) runs each phase's tasks in parallel and, for a quantized format, quantizes each
  * phase's rows once (up_rows, down_rows) before its products. */
 typedef struct {
     int64_t tokens, top_k, hidden, inter, experts;

@@ -1,5 +1,5 @@
-/* The slice of ONNX Runtime's C ABI that cpu_ops.c uses, declared here because the onnxruntime
- * wheel ships no headers. Facts of ORT's stable C API (onnxruntime_c_api.h):
+/* The slice of ONNX Runtime's C ABI that the ops use (through ort_glue.h), declared here because
+ * the onnxruntime wheel ships no headers. Facts of ORT's stable C API (onnxruntime_c_api.h):
  * - `OrtApi` is a table of function pointers that only ever grows at its end, so a slot's index
  *   is fixed forever; GetApi(v) returns the table of API version v (NULL from an older ORT).
  * - `OrtCustomOp` likewise grows at its end; ORT reads a member only when the op's `version`
