@@ -82,16 +82,16 @@ class EngineCore:
 
     def schedule(self) -> Plan:
         started = time.perf_counter()
-        running = self.scheduler.running
-        for r in running:
-            r.proposal = []  # one left from a step that did not schedule the request
+        running, spec = self.scheduler.running, self.speculation
         decoding = [r for r in running if r.num_pending_tokens == 1 and r.out.token_ids]
         only_decoding = len(decoding) == len(running) and not self.scheduler.waiting
         # With costs measured, only steps that decode and nothing else speculate: a step with
         # prefill chunks is long already, and its time says nothing about what verifying costs.
-        spec = self.speculation
-        if spec is not None and decoding and (only_decoding or spec.costs is None):
-            spec.propose(decoding, self._remaining)
+        if spec is not None:
+            for r in running:
+                r.proposal = []  # one left from a step that did not schedule the request
+            if decoding and (only_decoding or spec.costs is None):
+                spec.propose(decoding, self._remaining)
         scheduled = self.scheduler.schedule()
         decodes = [(r, n) for r, n in scheduled if r.num_pending_tokens == 1]
         prefills = [(r, n) for r, n in scheduled if r.num_pending_tokens > 1]
@@ -147,12 +147,13 @@ class EngineCore:
     def _sample(self, requests: list[Request], logits: np.ndarray, greedy: np.ndarray | None) -> list[Request]:
         tokens = self.sampler.sample(logits, [r.params for r in requests], [r.draws for r in requests],
                                      [len(r.token_ids) for r in requests], greedy)
+        now = time.perf_counter()
         for i, (r, token) in enumerate(zip(requests, tokens)):
             if r.out.token_ids:
                 r.out.metrics.decode_steps += 1
             else:
                 self.prompt_tokens += len(r.out.prompt_token_ids)
-            r.extend([int(token)], logits[i:i + 1], self.max_context)
+            r.extend([int(token)], logits[i:i + 1] if r.out.logprobs is not None else None, self.max_context, now)
         self.generated_tokens += len(requests)
         return requests
 

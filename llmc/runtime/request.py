@@ -104,13 +104,14 @@ class Request:
             out.text += self.detok.flush()
             out.finish_reason = "length"
 
-    def extend(self, tokens: list[int], logits, max_context: int) -> int:
+    def extend(self, tokens: list[int], logits, max_context: int, now: float | None = None) -> int:
         """Append a step's tokens (one sampled, or what verification kept), logits[j] the row
-        token j was chosen from, up to one that finishes the request; returns how many it took."""
+        token j was chosen from (read only for logprobs), up to one that finishes the request;
+        returns how many it took. Each token gets its own time unless `now` is given: ITL per token."""
         for j, token in enumerate(tokens):
             if self.out.logprobs is not None:
                 self.out.logprobs.append(token_logprob(logits[j], token, self.params.logprobs))
-            self.append(token, time.perf_counter(), max_context)  # each token its own time: ITL per token
+            self.append(token, time.perf_counter() if now is None else now, max_context)
             if self.out.finished:
                 return j + 1
         return len(tokens)
