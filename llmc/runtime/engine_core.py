@@ -70,8 +70,7 @@ class EngineCore:
             else:
                 updated += self.update(call, logits)
         if plan.decode_only and self.speculation is not None:
-            call = plan.calls[0]
-            self.speculation.step_done([r for r, _ in call.rows], call.seq, time.perf_counter() - plan.started)
+            self.speculation.step_done(plan.calls[0].seq, time.perf_counter() - plan.started)
         for r in updated:
             if r.out.finished:
                 self.retire(r)

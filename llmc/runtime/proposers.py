@@ -3,7 +3,8 @@ tokens the policy (runtime/speculation.py) asked for, and does nothing else.
 
 Prompt lookup proposes the continuation of the latest earlier occurrence of the sequence's last n
 tokens. A draft engine (a smaller llmc engine with the same tokenizer and its own paged cache)
-decodes k tokens for every speculating row as one batch.
+decodes k tokens for every speculating row as one batch. With both (a draft and
+`draft_prompt_lookup`), the policy asks prompt lookup first and the draft for the rows it left.
 """
 
 from __future__ import annotations
@@ -100,19 +101,12 @@ class DraftProposer:
         self.blocks = BlockManager(self.engine.num_blocks, self.engine.block_size, enable_prefix_caching=False)
         self.chunk = options.chunk_size
         self._seqs: dict[str, _DraftSeq] = {}
-        # Prompt lookup first: a match costs nothing to find, and where the target copies from its
-        # context (code, edits, quoting) it is right more often than a small draft, which copies less.
-        self.lookup = (NgramProposer(options.prompt_lookup_min, options.prompt_lookup_max)
-                       if options.draft_prompt_lookup else None)
 
     def propose(self, rows: list[Request], ks: list[int]) -> None:
         """Set each row's proposal of up to k tokens."""
         live = []
         for r, k in zip(rows, ks):
             r.proposal = []
-            if k and self.lookup is not None and (found := self.lookup.lookup(r, k)):
-                r.proposal = found
-                continue
             k = min(k, self.engine.max_context - len(r.token_ids))
             if k > 0 and self._catch_up(r, k):
                 live.append((r, k))
@@ -174,8 +168,6 @@ class DraftProposer:
         s = self._seqs.pop(r.request_id, None)
         if s is not None:
             self.blocks.free(s)
-        if self.lookup is not None:
-            self.lookup.release(r)
 
 
 def _behind(s: _DraftSeq) -> int:

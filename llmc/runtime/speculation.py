@@ -4,21 +4,19 @@ Proposers (runtime/proposers.py) only propose; the policy decides, from two thin
 - what a decode step costs against a plain one when its rows are s tokens long (the pending token
   and s - 1 proposals): `StepCosts`, a line T(s) = T(1) * (1 + c * (s - 1)) per kind of step,
   calibrated when the engine loads and then followed from every decode step's own time;
-- each request's chance that a proposed token is kept (given the ones before it were), from a
-  hopeful prior and decayed over its steps.
-A row of acceptance a that proposes k tokens outputs (1 - a^(k+1)) / (1 - a) on average; the step's
-cap K is the one with the most expected tokens per unit of cost, and plain decoding wins unless a
-cap beats it by MIN_GAIN. So a one-shot request speculates from its first step where that pays,
+- each request's chance that its j-th proposed token is kept (given the ones before it were), per
+  position j, from a hopeful prior and decayed over its steps.
+A row's k is the one with the most expected output tokens per unit of step cost; in a batch the
+step's cap K is the one with the most for all rows together, and plain decoding wins unless a cap
+beats it by MIN_GAIN. So a one-shot request speculates from its first step where that pays,
 and when another process slows the verify steps more than the plain ones the live costs show it
 and the policy backs off. docs/speculative.md has the numbers.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 from llmc.contract import graph_io as io
@@ -29,15 +27,19 @@ from llmc.runtime.proposers import DraftProposer, NgramProposer
 from llmc.runtime.request import Request
 from llmc.runtime.step import Row
 
-PRIOR_HITS, PRIOR_TRIALS = 1.5, 2.0  # a new request's acceptance, 0.75: hopeful, so it tries
+# A new request's chances, hopeful so that it tries: 0.75 for its first proposed token, and for
+# each later one given the ones before it were kept 0.9 greedy, 0.6 sampled (measured with k = 8
+# on code-small's grounded, open and random prompts: first 0.71-0.80 and later 0.83-1.0 greedy,
+# first 0.11-0.45 and the second 0.43-0.74 at temperature 0.8-1; docs/speculative.md).
+PRIOR_TRIALS = 2.0
+PRIOR_FIRST = 0.75 * PRIOR_TRIALS
+PRIOR_LATER = {True: 0.9 * PRIOR_TRIALS, False: 0.6 * PRIOR_TRIALS}  # by whether the row is greedy
 DECAY = 0.7  # weight of a request's earlier steps in its acceptance
 MAX_BACKOFF = 64  # decode steps a paused request waits at most before it probes again
 MIN_GAIN = 1.03  # speculate only where the expected tokens per unit of cost beat plain decoding's by this
 WINDOW = 9  # a kind's last measurements of each cost, of which the median counts
 PLAIN_EVERY = 32  # decode steps of a kind between plain steps that keep its T(1) current
 WARM_ALL_BELOW = 0.02  # seconds of a plain step below which calibrate runs every verify shape once
-GRID = 40  # steps of acceptance in a kind's table of the best k
-PRIOR = round(PRIOR_HITS / PRIOR_TRIALS * GRID)  # the prior acceptance's entry
 
 Kind = tuple[bool, int]  # (any row samples, the batch size's power of two)
 
@@ -48,9 +50,20 @@ def kind_of(rows: list[Request]) -> Kind:
     return any(not r.params.greedy for r in rows), 1 << (len(rows) - 1).bit_length()
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens a row outputs from a proposal of k: the target's own one and each kept proposal."""
-    return k + 1.0 if acceptance >= 1.0 else (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+def best_k(chances: list[float], c: float, most: int, found: float = 1.0, asking: float = 0.0) -> int:
+    """The k up to `most` with the most expected tokens per unit of step cost, 0 unless it beats
+    plain decoding by MIN_GAIN. chances[j] is the chance that proposed token j is kept given the
+    ones before it were, so a proposal of k gives 1 + sum over j < k of chances[0] ... chances[j]
+    tokens at a step cost of 1 + c k. The proposer finds one with chance `found` (else the step is
+    plain) and costs `asking` k whether it finds one or not."""
+    best, best_rate, tokens, kept = 0, MIN_GAIN, 1.0, 1.0
+    for k in range(1, most + 1):
+        kept *= chances[k - 1]
+        tokens += kept
+        rate = (found * tokens + 1.0 - found) / (1.0 + (found * c + asking) * k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 def calibrate(engine: Engine, s: int, reps: int = 3) -> float:
@@ -82,13 +95,17 @@ class StepCosts:
     (several plain steps' time on a small model), and a step another process held up says nothing
     about the next one; a real change of cost moves the median within half a window."""
 
-    def __init__(self, slope: float):
+    def __init__(self, slope: float, proposer_slopes: tuple[float, ...] = (0.0,)):
         self.prior = slope  # batch 1's, from calibrate
+        # Per proposer, what proposing a row one token deeper costs against T(1), from calibrate
+        # (a draft's plain step over the target's) until measured on the proposals made.
+        self.proposer_priors = proposer_slopes
         # Each kind's first decode step is plain, and measures T(1): calibrate's own plain call left
         # out the Python of a whole step, which is a small model's step's larger part.
         self.plain: dict[Kind, deque[float]] = {}
         self.slopes: dict[Kind, deque[float]] = {}
         self.since_plain: dict[Kind, int] = {}
+        self.proposers: dict[int, dict[Kind, deque[float]]] = {}
         self._median: dict[tuple[str, Kind], float] = {}  # kept as they change, read every step
 
     def slope(self, kind: Kind) -> float:
@@ -99,12 +116,22 @@ class StepCosts:
             c = self._add("slope", self.slopes, kind, min(1.0, self.prior * kind[1]), 2)
         return c
 
+    def proposer_slope(self, i: int, kind: Kind) -> float:
+        c = self._median.get((f"proposer {i}", kind))
+        return self.proposer_priors[i] if c is None else c
+
+    def observe_proposer(self, i: int, kind: Kind, depth: int, seconds: float) -> None:
+        """Proposer i took `seconds` to propose up to `depth` tokens a row for a step of `kind`."""
+        if kind in self.plain and depth:
+            samples = self.proposers.setdefault(i, {})
+            self._add(f"proposer {i}", samples, kind, seconds / (depth * self._median["plain", kind]))
+
     def plain_due(self, kind: Kind) -> bool:
         """Whether this step should decode plainly to measure T(1): never measured, or long ago."""
         return kind not in self.plain or self.since_plain.get(kind, 0) >= PLAIN_EVERY
 
     def observe(self, kind: Kind, s: int, seconds: float) -> None:
-        """A decode step of `kind` whose longest row was s tokens took `seconds`, all of it."""
+        """A decode step of `kind` whose longest row was s tokens took `seconds`, proposing left out."""
         if s == 1:
             self.since_plain[kind] = 0
             self._add("plain", self.plain, kind, seconds)
@@ -117,7 +144,8 @@ class StepCosts:
     def _add(self, name: str, samples: dict[Kind, deque[float]], kind: Kind, value: float, times: int = 1) -> float:
         window = samples.setdefault(kind, deque(maxlen=WINDOW))
         window.extend([value] * times)
-        median = self._median[name, kind] = statistics.median(window)
+        # The upper median: sorted() on a few floats is a fifth of statistics.median's cost, every step.
+        median = self._median[name, kind] = sorted(window)[len(window) // 2]
         return median
 
 
@@ -131,85 +159,138 @@ def _plain_seconds(engine: Engine) -> float:
     return min(times[1:])
 
 
-@dataclass
 class _RowState:
-    """A request's chance that a proposed token is kept given the ones before it were: a proposal
-    stops at its first rejection, so k proposals with a kept count a hits out of a + 1 tries (a out
-    of a when all were kept), decayed over steps."""
-    hits: float = PRIOR_HITS
-    trials: float = PRIOR_TRIALS
-    wait: int = 0  # steps left before a paused request probes again
-    backoff: int = 1
+    """A request's chance that its j-th proposed token is kept given the ones before it were, for
+    each j: a proposal stops at its first rejection, so a step with a of p kept tried positions
+    0..a (up to p - 1) and kept 0..a - 1. Per position, not one rate: where the target copies, a
+    proposal that starts right mostly stays right, and one rate for all positions undercounted
+    the later ones and chose short proposals. Hopeful prior, decayed over the steps that tried it."""
 
-    @property
-    def acceptance(self) -> float:
-        return self.hits / self.trials
+    def __init__(self, k: int, greedy: bool = True):
+        self.priors = [PRIOR_FIRST] + [PRIOR_LATER[greedy]] * (k - 1)
+        self.hits = list(self.priors)
+        self.trials = [PRIOR_TRIALS] * k
+        self.found = [PRIOR_TRIALS, PRIOR_TRIALS]  # (proposals found, times asked), decayed: hopeful
+        self.wait = 0  # steps left before a paused request probes again
+        self.backoff = 1
+        self.chosen: tuple[float, int] | None = None  # (the slope it was chosen at, its best k)
+        # Most tokens the next proposal may hold: after a one-token proposal (a paused row's probe),
+        # three if it was kept. Sampled text keeps one now and then, and on the later positions'
+        # hopeful prior the row went back to its whole k at once.
+        self.ramp = k
+
+    def chances(self) -> list[float]:
+        return [h / t for h, t in zip(self.hits, self.trials)]
+
+    def best(self, c: float, asking: float) -> int:
+        if self.chosen is None or abs(self.chosen[0] - c) > 0.05 * max(c, 1e-3):
+            self.chosen = c, best_k(self.chances(), c, len(self.hits), self.found[0] / self.found[1], asking)
+        return self.chosen[1]
+
+    def asked(self, found: bool) -> None:
+        """Whether the proposer found a proposal when asked (prompt lookup finds none without a match)."""
+        self.found = [DECAY * self.found[0] + found, DECAY * self.found[1] + 1.0]
+        self.chosen = None
+
+    def kept(self, proposed: int, accepted: int) -> None:
+        """A step proposed `proposed` tokens and kept the first `accepted`. Positions it did not
+        try drift back to the prior: a position that measured badly is otherwise never tried again
+        (a row once at k = 1 stayed there for good)."""
+        self.ramp = 2 * accepted + 1 if proposed == 1 else len(self.hits)
+        tried = min(accepted + 1, proposed)
+        for j in range(len(self.hits)):
+            if j < tried:
+                self.hits[j] = DECAY * self.hits[j] + (j < accepted)
+                self.trials[j] = DECAY * self.trials[j] + 1.0
+            else:
+                self.hits[j] = DECAY * self.hits[j] + (1.0 - DECAY) * self.priors[j]
+                self.trials[j] = DECAY * self.trials[j] + (1.0 - DECAY) * PRIOR_TRIALS
+        self.chosen = None
 
 
 class SpeculationPolicy:
-    """Chooses each decoding row's k, hands the rows to the proposer, and learns from the steps."""
+    """Chooses each decoding row's k, asks the proposers, and learns from the steps."""
 
-    def __init__(self, proposer, max_k: int, costs: StepCosts | None):
-        """`costs` None: fixed k, every row proposes max_k (speculative_adaptive off)."""
-        self.proposer = proposer
+    def __init__(self, proposers: list, max_k: int, costs: StepCosts | None):
+        """`proposers`, cheapest first: a row takes the first proposal it gets, and the next
+        proposer is asked for the rows left without one. `costs` None: fixed k, every row asks for
+        max_k (speculative_adaptive off)."""
+        self.proposers = proposers
         self.max_k = max_k
         self.costs = costs
-        self._rows: dict[str, _RowState] = {}
-        self._tables: dict[Kind, tuple[float, list[int]]] = {}  # per kind: its slope then, best k per acceptance
-        self._idle: dict[Kind, int] = {}  # per kind: steps since a verify step, while none pays
+        self._rows: dict[tuple[str, int], _RowState] = {}  # per (request, proposer)
+        self._proposed_by: dict[str, int] = {}  # request -> the proposer of its pending proposal
+        self._idle: dict[tuple[Kind, int], int] = {}  # steps since a verify step, while none pays
+        self._outlooks: dict[tuple[Kind, int], tuple[float, bool, bool]] = {}
+        self._proposing = 0.0  # the running step's seconds in the proposers
+        self._kind: Kind = (False, 1)  # the running step's
 
     def propose(self, rows: list[Request], remaining) -> None:
         """Give the decoding rows their proposals; `remaining(r)` is how many more tokens r may
         produce (a proposal longer than that minus one cannot be kept)."""
-        ks = self._ks(rows, remaining)
-        if any(ks):
-            self.proposer.propose(rows, ks)
+        self._proposing = 0.0
+        kind = self._kind = kind_of(rows)
+        if self.costs is not None and self.costs.plain_due(kind):
+            return
+        for i, proposer in enumerate(self.proposers):
+            asked = [(r, k) for r, k in zip(rows, self._ks(rows, remaining, kind, i)) if k]
+            if asked:
+                start = time.perf_counter()
+                proposer.propose([r for r, _ in asked], [k for _, k in asked])
+                took = time.perf_counter() - start
+                self._proposing += took
+                if self.costs is not None:
+                    self.costs.observe_proposer(i, kind, max(k for _, k in asked), took)
+                for r, _ in asked:
+                    if r.proposal:
+                        self._proposed_by[r.request_id] = i
+                    if self.costs is not None:
+                        self._rows[r.request_id, i].asked(bool(r.proposal))
+            rows = [r for r in rows if not r.proposal]
+            if not rows:
+                return
 
-    def _ks(self, rows: list[Request], remaining) -> list[int]:
+    def _ks(self, rows: list[Request], remaining, kind: Kind, i: int) -> list[int]:
         if self.costs is None:
             return [max(min(self.max_k, remaining(r) - 1), 0) for r in rows]
-        kind = kind_of(rows)
-        if self.costs.plain_due(kind):
-            return [0] * len(rows)
-        table, c = self._table(kind), self.costs.slope(kind)
-        if table[GRID] == 0:  # not even a row that keeps every proposal pays at these costs
-            idle = self._idle[kind] = self._idle.get(kind, 0) + 1
+        c, asking = self.costs.slope(kind), self.costs.proposer_slope(i, kind)
+        pays, typical = self._outlook(kind, i, c, asking)
+        if not pays:  # not even a row that keeps everything pays
+            idle = self._idle[kind, i] = self._idle.get((kind, i), 0) + 1
             if idle < MAX_BACKOFF:
                 return [0] * len(rows)
-            self._idle[kind] = 0  # measure a verify step again now and then: the costs move
+            self._idle[kind, i] = 0  # measure a verify step again now and then: the costs move
             return [1 if remaining(r) > 1 else 0 for r in rows]
         wanted, probing = [], []
         for r in rows:
-            state = self._rows.get(r.request_id)
+            state = self._rows.get((r.request_id, i))
             if state is None:
-                state = self._rows[r.request_id] = _RowState()
-            k = table[int(state.acceptance * GRID + 0.5)]
-            # A paused request probes only where a typical one would speculate: the costs, not its
-            # acceptance, may be what keeps it from proposing.
-            probing.append(k == 0 and table[PRIOR] > 0 and self._probes(state))
-            wanted.append((state.acceptance, max(min(k, remaining(r) - 1), 0)))
+                state = self._rows[r.request_id, i] = _RowState(self.max_k, r.params.greedy)
+            k = min(state.best(c, asking), state.ramp)
+            # A paused request probes only where a new one would speculate: the costs, not its
+            # chances, may be what keeps it from proposing.
+            probing.append(k == 0 and typical and self._probes(state))
+            wanted.append((state, max(min(k, remaining(r) - 1), 0)))
         cap = max(k for _, k in wanted)
         if len(rows) > 1:
-            cap = _batch_cap(wanted, cap, c)
+            cap = _batch_cap(wanted, cap, c + asking)
         return [1 if probe and remaining(r) > 1 else min(k, cap) for r, probe, (_, k) in zip(rows, probing, wanted)]
 
-    def _table(self, kind: Kind) -> list[int]:
-        """The best k at each of GRID + 1 acceptances for the kind's slope, made again when it moves."""
-        c = self.costs.slope(kind)
-        made = self._tables.get(kind)
-        if made is not None and abs(made[0] - c) <= 0.05 * max(c, 1e-3):
-            return made[1]
-        table = []
-        for i in range(GRID + 1):
-            rates = [expected_tokens(i / GRID, k) / (1.0 + c * k) for k in range(self.max_k + 1)]
-            best = max(range(self.max_k + 1), key=rates.__getitem__)
-            table.append(best if rates[best] > MIN_GAIN else 0)
-        self._tables[kind] = (c, table)
-        return table
+    def _outlook(self, kind: Kind, i: int, c: float, asking: float) -> tuple[bool, bool]:
+        """At these costs: whether a row that keeps everything would speculate, and whether a new
+        one would; worked out again only when c moves by 5%."""
+        seen = self._outlooks.get((kind, i))
+        if seen is None or abs(seen[0] - c) > 0.05 * max(c, 1e-3):
+            new = _RowState(self.max_k, not kind[0]).chances()
+            seen = self._outlooks[kind, i] = (c, best_k([1.0] * self.max_k, c, self.max_k, 1.0, asking) > 0,
+                                              best_k(new, c, self.max_k, 1.0, asking) > 0)
+        return seen[1], seen[2]
 
     @staticmethod
     def _probes(state: _RowState) -> bool:
-        """A paused request proposes one token after a wait that doubles each time it misses."""
+        """A paused request proposes one token after a wait that doubles each time it probes, and
+        halves when a probe is kept: a row whose proposals are kept now and then (sampled text)
+        probes rarely, one whose text turns to copying again soon speculates again."""
         state.wait -= 1
         if state.wait > 0:
             return False
@@ -219,38 +300,41 @@ class SpeculationPolicy:
 
     def verified(self, r: Request, proposed: int, accepted: int) -> None:
         """Learn from a request's step: `accepted` of its `proposed` tokens were kept."""
-        state = self._rows.get(r.request_id)
+        state = self._rows.get((r.request_id, self._proposed_by.pop(r.request_id, -1)))
         if state is None or not proposed:
             return
-        state.hits = DECAY * state.hits + accepted
-        state.trials = DECAY * state.trials + accepted + (accepted < proposed)
+        state.kept(proposed, accepted)
         if accepted:
-            state.backoff, state.wait = 1, 0
+            state.backoff = max(1, state.backoff // 4)  # undoes this probe's doubling and halves
 
-    def step_done(self, rows: list[Request], s: int, seconds: float) -> None:
-        """A step that only decoded `rows` (its longest row s tokens) took `seconds`, proposing included."""
+    def step_done(self, s: int, seconds: float) -> None:
+        """The step that decoded the rows last proposed for (its longest row s tokens) took
+        `seconds`, proposing included."""
         if self.costs is not None:
-            self.costs.observe(kind_of(rows), s, seconds)
+            self.costs.observe(self._kind, s, seconds - self._proposing)
 
     def release(self, r: Request) -> None:
-        self._rows.pop(r.request_id, None)
-        self.proposer.release(r)
+        self._proposed_by.pop(r.request_id, None)
+        for i, proposer in enumerate(self.proposers):
+            self._rows.pop((r.request_id, i), None)
+            proposer.release(r)
 
 
-def _batch_cap(wanted: list[tuple[float, int]], longest: int, c: float) -> int:
-    """The cap K with the most expected tokens per unit of cost for a batch whose rows (acceptance,
-    own k) each propose min(k, K): the longest row sets the whole step's cost."""
+def _batch_cap(wanted: list[tuple[_RowState, int]], longest: int, c: float) -> int:
+    """The cap K with the most expected tokens per unit of cost for a batch whose rows (state, own
+    k) each propose min(k, K): the longest row sets the whole step's cost."""
+    chances = [state.chances() for state, _ in wanted]
     tokens = float(len(wanted))  # at K = 0
-    powers = [1.0] * len(wanted)
+    kept = [1.0] * len(wanted)
     best, best_rate = 0, tokens * MIN_GAIN
     for cap in range(1, longest + 1):
-        for i, (a, k) in enumerate(wanted):
+        for i, (_, k) in enumerate(wanted):
             if k >= cap:
-                powers[i] *= a
-                tokens += powers[i]
+                kept[i] *= chances[i][cap - 1]
+                tokens += kept[i]
         if tokens / (1.0 + c * cap) > best_rate:
             best, best_rate = cap, tokens / (1.0 + c * cap)
-    return best if best == 0 or best_rate > MIN_GAIN * len(wanted) else 0
+    return best
 
 
 def make_policy(options, target: Engine, tokenizer_file: Path) -> SpeculationPolicy | None:
@@ -261,19 +345,22 @@ def make_policy(options, target: Engine, tokenizer_file: Path) -> SpeculationPol
     if target.spec.longrope_boundary is not None:
         raise LlmcError("speculative decoding does not support longrope models yet (their rotation depends on "
                         "the sequence length); run without --speculative")
+    lookup = NgramProposer(options.prompt_lookup_min, options.prompt_lookup_max)
     if method == "ngram":
-        proposer = NgramProposer(options.prompt_lookup_min, options.prompt_lookup_max)
+        proposers = [lookup]
     else:
         path = Path(method)
         if not (path / "manifest.json").is_file():
             raise LlmcError(f"speculative must be 'ngram' or a draft engine directory; {method!r} is neither "
                             "(build one with `llmc build`)")
-        proposer = DraftProposer(path, target, tokenizer_file, options)
+        # Prompt lookup first: a match costs nothing to find, and where the target copies from its
+        # context (code, edits, quoting) it is right more often than a small draft, which copies less.
+        draft = DraftProposer(path, target, tokenizer_file, options)
+        proposers = [lookup, draft] if options.draft_prompt_lookup else [draft]
     k = options.num_speculative_tokens
     costs = None
     if options.speculative_adaptive:
-        slope = calibrate(target, k + 1)
-        if isinstance(proposer, DraftProposer):  # each proposed token is one more draft step
-            slope += _plain_seconds(proposer.engine) / _plain_seconds(target)
-        costs = StepCosts(slope)
-    return SpeculationPolicy(proposer, k, costs)
+        plain = _plain_seconds(target)
+        costs = StepCosts(calibrate(target, k + 1), tuple(
+            _plain_seconds(p.engine) / plain if isinstance(p, DraftProposer) else 0.0 for p in proposers))
+    return SpeculationPolicy(proposers, k, costs)
