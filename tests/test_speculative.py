@@ -570,6 +570,24 @@ def test_plain_steps_keep_each_kinds_plain_cost_current():
     assert all(r.proposal for r in pair)
 
 
+def test_where_no_proposal_pays_a_verify_step_is_measured_now_and_then():
+    """At batch 4 with a slope of 1 (a row one token longer costs a whole plain step more), not
+    even rows that keep everything pay: the steps decode plainly, and one in 64 verifies one
+    token a row, so that costs that moved are seen."""
+    costs = _costs(0.25)  # 1.0 at batch 4
+    costs.observe((False, 4), 1, 1.0)
+    policy = SpeculationPolicy([_Proposing()], 8, costs)
+    rows = [_Row(name) for name in "abcd"]
+    proposing = []
+    for _ in range(128):
+        policy.propose(rows, lambda r: 100)
+        proposing.append(max(len(r.proposal) for r in rows))
+        for r in rows:
+            r.proposal = []
+        policy.step_done(1 + proposing[-1], 1.0 + proposing[-1])
+    assert proposing.count(1) == 2 and set(proposing) == {0, 1}
+
+
 def test_a_batch_speculates_only_where_its_longest_row_pays():
     """At batch 2 the longest row sets the step's cost: one row that keeps everything and one
     that keeps nothing, on steps that grow fast with length, may not make both pay for k."""

@@ -245,7 +245,7 @@ class SpeculationPolicy:
                     if r.proposal:
                         self._proposed_by[r.request_id] = i
                     if self.costs is not None:
-                        self._rows[r.request_id, i].asked(bool(r.proposal))
+                        self._state(r, i).asked(bool(r.proposal))
             rows = [r for r in rows if not r.proposal]
             if not rows:
                 return
@@ -263,9 +263,7 @@ class SpeculationPolicy:
             return [1 if remaining(r) > 1 else 0 for r in rows]
         wanted, probing = [], []
         for r in rows:
-            state = self._rows.get((r.request_id, i))
-            if state is None:
-                state = self._rows[r.request_id, i] = _RowState(self.max_k, r.params.greedy)
+            state = self._state(r, i)
             k = min(state.best(c, asking), state.ramp)
             # A paused request probes only where a new one would speculate: the costs, not its
             # chances, may be what keeps it from proposing.
@@ -275,6 +273,12 @@ class SpeculationPolicy:
         if len(rows) > 1:
             cap = _batch_cap(wanted, cap, c + asking)
         return [1 if probe and remaining(r) > 1 else min(k, cap) for r, probe, (_, k) in zip(rows, probing, wanted)]
+
+    def _state(self, r: Request, i: int) -> _RowState:
+        state = self._rows.get((r.request_id, i))
+        if state is None:
+            state = self._rows[r.request_id, i] = _RowState(self.max_k, r.params.greedy)
+        return state
 
     def _outlook(self, kind: Kind, i: int, c: float, asking: float) -> tuple[bool, bool]:
         """At these costs: whether a row that keeps everything would speculate, and whether a new
