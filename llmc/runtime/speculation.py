@@ -36,6 +36,7 @@ PRIOR_FIRST = 0.75 * PRIOR_TRIALS
 PRIOR_LATER = {True: 0.9 * PRIOR_TRIALS, False: 0.6 * PRIOR_TRIALS}  # by whether the row is greedy
 DECAY = 0.7  # weight of a request's earlier steps in its acceptance
 MAX_BACKOFF = 64  # decode steps a paused request waits at most before it probes again
+MAX_EXPLORE_WAIT = 1024  # decode steps at most between verify steps of a kind where none pays
 MIN_GAIN = 1.03  # speculate only where the expected tokens per unit of cost beat plain decoding's by this
 WINDOW = 9  # a kind's last measurements of each cost, of which the median counts
 PLAIN_EVERY = 32  # decode steps of a kind between plain steps that keep its T(1) current
@@ -220,7 +221,7 @@ class SpeculationPolicy:
         self.costs = costs
         self._rows: dict[tuple[str, int], _RowState] = {}  # per (request, proposer)
         self._proposed_by: dict[str, int] = {}  # request -> the proposer of its pending proposal
-        self._idle: dict[tuple[Kind, int], int] = {}  # steps since a verify step, while none pays
+        self._idle: dict[tuple[Kind, int], tuple[int, int]] = {}  # while none pays: (steps since a verify step, steps to wait)
         self._outlooks: dict[tuple[Kind, int], tuple[float, bool, bool]] = {}
         self._proposing = 0.0  # the running step's seconds in the proposers
         self._kind: Kind = (False, 1)  # the running step's
@@ -256,11 +257,16 @@ class SpeculationPolicy:
         c, asking = self.costs.slope(kind), self.costs.proposer_slope(i, kind)
         pays, typical = self._outlook(kind, i, c, asking)
         if not pays:  # not even a row that keeps everything pays
-            idle = self._idle[kind, i] = self._idle.get((kind, i), 0) + 1
-            if idle < MAX_BACKOFF:
+            # Measure a verify step again now and then, the costs move; less often each time it
+            # still does not pay: at batch 16 a draft catching up on every row's last 64 tokens cost
+            # 15% of the time.
+            idle, wait = self._idle.get((kind, i), (0, MAX_BACKOFF))
+            if idle + 1 < wait:
+                self._idle[kind, i] = idle + 1, wait
                 return [0] * len(rows)
-            self._idle[kind, i] = 0  # measure a verify step again now and then: the costs move
+            self._idle[kind, i] = 0, min(2 * wait, MAX_EXPLORE_WAIT)
             return [1 if remaining(r) > 1 else 0 for r in rows]
+        self._idle.pop((kind, i), None)
         wanted, probing = [], []
         for r in rows:
             state = self._state(r, i)
