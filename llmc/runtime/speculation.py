@@ -34,7 +34,8 @@ from llmc.runtime.step import Row
 PRIOR_TRIALS = 2.0
 PRIOR_FIRST = 0.75 * PRIOR_TRIALS
 PRIOR_LATER = {True: 0.9 * PRIOR_TRIALS, False: 0.6 * PRIOR_TRIALS}  # by whether the row is greedy
-DECAY = 0.7  # weight of a request's earlier steps in its acceptance
+DECAY = 0.7  # weight of a request's earlier steps in its chances
+POOL_DECAY = 0.95  # the same in the chances pooled over requests, which new requests start from
 MAX_BACKOFF = 64  # decode steps a paused request waits at most before it probes again
 MAX_EXPLORE_WAIT = 1024  # decode steps at most between verify steps of a kind where none pays
 MIN_GAIN = 1.03  # speculate only where the expected tokens per unit of cost beat plain decoding's by this
@@ -167,11 +168,18 @@ class _RowState:
     proposal that starts right mostly stays right, and one rate for all positions undercounted
     the later ones and chose short proposals. Hopeful prior, decayed over the steps that tried it."""
 
-    def __init__(self, k: int, greedy: bool = True):
+    def __init__(self, k: int, greedy: bool = True, decay: float = DECAY, start: "_RowState | None" = None):
+        """`start`: the pooled state of earlier requests of its kind, whose chances it begins with
+        (at the prior's weight) instead of the prior's."""
         self.priors = [PRIOR_FIRST] + [PRIOR_LATER[greedy]] * (k - 1)
-        self.hits = list(self.priors)
+        self.decay = decay
         self.trials = [PRIOR_TRIALS] * k
         self.found = [PRIOR_TRIALS, PRIOR_TRIALS]  # (proposals found, times asked), decayed: hopeful
+        if start is None:
+            self.hits = list(self.priors)
+        else:
+            self.hits = [chance * PRIOR_TRIALS for chance in start.chances()]
+            self.found = [start.found[0] / start.found[1] * PRIOR_TRIALS, PRIOR_TRIALS]
         self.wait = 0  # steps left before a paused request probes again
         self.backoff = 1
         self.chosen: tuple[float, int] | None = None  # (the slope it was chosen at, its best k)
@@ -190,7 +198,7 @@ class _RowState:
 
     def asked(self, found: bool) -> None:
         """Whether the proposer found a proposal when asked (prompt lookup finds none without a match)."""
-        self.found = [DECAY * self.found[0] + found, DECAY * self.found[1] + 1.0]
+        self.found = [self.decay * self.found[0] + found, self.decay * self.found[1] + 1.0]
         self.chosen = None
 
     def kept(self, proposed: int, accepted: int) -> None:
@@ -198,14 +206,14 @@ class _RowState:
         try drift back to the prior: a position that measured badly is otherwise never tried again
         (a row once at k = 1 stayed there for good)."""
         self.ramp = 2 * accepted + 1 if proposed == 1 else len(self.hits)
-        tried = min(accepted + 1, proposed)
+        tried, decay = min(accepted + 1, proposed), self.decay
         for j in range(len(self.hits)):
             if j < tried:
-                self.hits[j] = DECAY * self.hits[j] + (j < accepted)
-                self.trials[j] = DECAY * self.trials[j] + 1.0
+                self.hits[j] = decay * self.hits[j] + (j < accepted)
+                self.trials[j] = decay * self.trials[j] + 1.0
             else:
-                self.hits[j] = DECAY * self.hits[j] + (1.0 - DECAY) * self.priors[j]
-                self.trials[j] = DECAY * self.trials[j] + (1.0 - DECAY) * PRIOR_TRIALS
+                self.hits[j] = decay * self.hits[j] + (1.0 - decay) * self.priors[j]
+                self.trials[j] = decay * self.trials[j] + (1.0 - decay) * PRIOR_TRIALS
         self.chosen = None
 
 
@@ -220,6 +228,7 @@ class SpeculationPolicy:
         self.max_k = max_k
         self.costs = costs
         self._rows: dict[tuple[str, int], _RowState] = {}  # per (request, proposer)
+        self._pooled: dict[tuple[bool, int], _RowState] = {}  # per (greedy, proposer): all requests' chances
         self._proposed_by: dict[str, int] = {}  # request -> the proposer of its pending proposal
         self._idle: dict[tuple[Kind, int], tuple[int, int]] = {}  # while none pays: (steps since a verify step, steps to wait)
         self._outlooks: dict[tuple[Kind, int], tuple[float, bool, bool]] = {}
@@ -247,6 +256,7 @@ class SpeculationPolicy:
                         self._proposed_by[r.request_id] = i
                     if self.costs is not None:
                         self._state(r, i).asked(bool(r.proposal))
+                        self._pool(r, i).asked(bool(r.proposal))
             rows = [r for r in rows if not r.proposal]
             if not rows:
                 return
@@ -283,8 +293,18 @@ class SpeculationPolicy:
     def _state(self, r: Request, i: int) -> _RowState:
         state = self._rows.get((r.request_id, i))
         if state is None:
-            state = self._rows[r.request_id, i] = _RowState(self.max_k, r.params.greedy)
+            state = self._rows[r.request_id, i] = _RowState(self.max_k, r.params.greedy,
+                                                           start=self._pooled.get((r.params.greedy, i)))
         return state
+
+    def _pool(self, r: Request, i: int) -> _RowState:
+        """What the requests of r's kind (greedy or sampled) found with proposer i, pooled: a new
+        request starts from it. On a workload of sampled requests whose proposals miss, each new
+        one started hopeful and spent its first steps finding out."""
+        pooled = self._pooled.get((r.params.greedy, i))
+        if pooled is None:
+            pooled = self._pooled[r.params.greedy, i] = _RowState(self.max_k, r.params.greedy, POOL_DECAY)
+        return pooled
 
     def _outlook(self, kind: Kind, i: int, c: float, asking: float) -> tuple[bool, bool]:
         """At these costs: whether a row that keeps everything would speculate, and whether a new
@@ -310,10 +330,12 @@ class SpeculationPolicy:
 
     def verified(self, r: Request, proposed: int, accepted: int) -> None:
         """Learn from a request's step: `accepted` of its `proposed` tokens were kept."""
-        state = self._rows.get((r.request_id, self._proposed_by.pop(r.request_id, -1)))
+        i = self._proposed_by.pop(r.request_id, -1)
+        state = self._rows.get((r.request_id, i))
         if state is None or not proposed:
             return
         state.kept(proposed, accepted)
+        self._pool(r, i).kept(proposed, accepted)
         if accepted:
             state.backoff = max(1, state.backoff // 4)  # undoes this probe's doubling and halves
 
