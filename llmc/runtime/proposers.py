@@ -32,6 +32,8 @@ class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
     last n tokens (n from `max_n` down to `min_n`), from a per-request index of n-grams."""
 
+    sets_its_length = True  # a continuation is trusted for twice the length its match agrees
+
     def __init__(self, min_n: int, max_n: int):
         self.sizes = range(max_n, min_n - 1, -1)
         self._index: dict[str, tuple[list[dict], list[int]]] = {}
