@@ -445,11 +445,15 @@ def test_speculation_never_makes_a_stream_of_misses_slower_in_steps(code_engines
 class _Row:
     def __init__(self, name: str, temperature: float = 0.0):
         self.request_id, self.proposal, self.params = name, [], SamplingParams(temperature=temperature)
+        self.token_ids = [7]
 
 
 class _Proposing:
     """Proposes exactly the k asked for."""
+    asked = 0
+
     def propose(self, rows, ks):
+        self.asked += 1
         for r, k in zip(rows, ks):
             r.proposal = [0] * k
 
@@ -573,7 +577,8 @@ def test_plain_steps_keep_each_kinds_plain_cost_current():
 def test_where_no_proposal_pays_a_verify_step_is_measured_now_and_then():
     """At batch 4 with a slope of 1 (a row one token longer costs a whole plain step more), not
     even rows that keep everything pay: the steps decode plainly, and after 64, then 128 steps
-    one verifies one token a row, so that costs that moved are seen."""
+    one verifies one token a row (its last, so no proposer is asked: a draft would catch up on
+    every row), so that costs that moved are seen."""
     costs = _costs(0.25)  # 1.0 at batch 4
     costs.observe((False, 4), 1, 1.0)
     policy = SpeculationPolicy([_Proposing()], 8, costs)
@@ -586,6 +591,7 @@ def test_where_no_proposal_pays_a_verify_step_is_measured_now_and_then():
             r.proposal = []
         policy.step_done(1 + proposing[-1], 1.0 + proposing[-1])
     assert [i for i, k in enumerate(proposing) if k] == [63, 63 + 128]
+    assert policy.proposers[0].asked == 0
 
 
 def test_a_batch_speculates_only_where_its_longest_row_pays():

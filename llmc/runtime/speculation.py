@@ -235,7 +235,7 @@ class SpeculationPolicy:
         self._rows: dict[tuple[str, int], _RowState] = {}  # per (request, proposer)
         self._pooled: dict[tuple[bool, int], _RowState] = {}  # per (greedy, proposer): all requests' chances
         self._proposed_by: dict[str, int] = {}  # request -> the proposer of its pending proposal
-        self._idle: dict[tuple[Kind, int], tuple[int, int]] = {}  # while none pays: (steps since a verify step, steps to wait)
+        self._idle: dict[Kind, tuple[int, int]] = {}  # while none pays: (steps since a verify step, steps to wait)
         self._outlooks: dict[tuple[Kind, int], tuple[float, bool, bool]] = {}
         self._proposing = 0.0  # the running step's seconds in the proposers
         self._kind: Kind = (False, 1)  # the running step's
@@ -247,8 +247,11 @@ class SpeculationPolicy:
         kind = self._kind = kind_of(rows)
         if self.costs is not None and self.costs.plain_due(kind):
             return
+        paying = False
         for i, proposer in enumerate(self.proposers):
-            asked = [(r, k) for r, k in zip(rows, self._ks(rows, remaining, kind, i)) if k]
+            ks = self._ks(rows, remaining, kind, i)
+            paying = paying or ks is not None
+            asked = [(r, k) for r, k in zip(rows, ks or ()) if k]
             if asked:
                 start = time.perf_counter()
                 proposer.propose([r for r, _ in asked], [k for _, k in asked])
@@ -265,32 +268,42 @@ class SpeculationPolicy:
             rows = [r for r in rows if not r.proposal]
             if not rows:
                 return
+        if not paying:
+            self._measure_now_and_then(kind, rows, remaining)
 
-    def _ks(self, rows: list[Request], remaining, kind: Kind, i: int) -> list[int]:
+    def _measure_now_and_then(self, kind: Kind, rows: list[Request], remaining) -> None:
+        """Where no proposer pays, a verify step after 64, 128, ... up to 1,024 plain ones measures
+        the costs again (they move with the machine's load). Its proposals are each row's last
+        token, which costs no proposer anything: a draft asked instead caught up on every row's
+        tokens since, at batch 16 a sixth of the time every 64 steps, and as much at any spacing."""
+        idle, wait = self._idle.get(kind, (0, MAX_BACKOFF))
+        if idle + 1 < wait:
+            self._idle[kind] = idle + 1, wait
+            return
+        self._idle[kind] = 0, min(2 * wait, MAX_EXPLORE_WAIT)
+        for r in rows:
+            if remaining(r) > 1:
+                r.proposal = [r.token_ids[-1]]
+
+    def _ks(self, rows: list[Request], remaining, kind: Kind, i: int) -> list[int] | None:
+        """Each row's k for proposer i; None where not even a row that keeps everything pays."""
         if self.costs is None:
             return [max(min(self.max_k, remaining(r) - 1), 0) for r in rows]
         c, asking = self.costs.slope(kind), self.costs.proposer_slope(i, kind)
         pays, typical = self._outlook(kind, i, c, asking)
         if not pays:  # not even a row that keeps everything pays
-            # Measure a verify step again now and then, the costs move; less often each time it
-            # still does not pay: at batch 16 a draft catching up on every row's last 64 tokens cost
-            # 15% of the time.
-            idle, wait = self._idle.get((kind, i), (0, MAX_BACKOFF))
-            if idle + 1 < wait:
-                self._idle[kind, i] = idle + 1, wait
-                return [0] * len(rows)
-            self._idle[kind, i] = 0, min(2 * wait, MAX_EXPLORE_WAIT)
-            return [1 if remaining(r) > 1 else 0 for r in rows]
-        self._idle.pop((kind, i), None)
+            return None
+        self._idle.pop(kind, None)
         wanted, probing = [], []
         for r in rows:
             state = self._state(r, i)
             k = min(state.best(c, asking), state.ramp)
             if k and self._own_length[i] and r.params.greedy:
                 k = state.ramp
-            # A paused request probes only where a new one would speculate: the costs, not its
-            # chances, may be what keeps it from proposing.
-            probing.append(k == 0 and typical and self._probes(state))
+            # A paused request probes only where a new one would speculate (the costs, not its
+            # chances, may be what keeps it from proposing) and asking costs less than verifying:
+            # a draft's probe catches up on every token since the last, however long the wait.
+            probing.append(k == 0 and typical and asking < c and self._probes(state))
             wanted.append((state, max(min(k, remaining(r) - 1), 0)))
         cap = max(k for _, k in wanted)
         if len(rows) > 1:
