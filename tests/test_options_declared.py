@@ -112,6 +112,29 @@ def test_a_bad_declared_value_is_a_one_line_cli_error():
                                                             "(got 0)")
 
 
+@pytest.mark.parametrize("flags, message", [
+    # It printed "serving" and then hung (issue 63).
+    (["--port", "70000"], "error: --port must be an integer >= 0 and <= 65535 (got 70000)"),
+    (["--max-waiting", "-1"], "error: --max-waiting must be an integer >= 0 and <= 1000000 (got -1)"),
+    (["--grace-period", "-5"], "error: --grace-period must be a number >= 0 and <= 86400 (got -5.0)"),
+])
+def test_server_flags_out_of_range_stop_serve_before_it_starts(flags, message):
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(main, ["serve", "x", *flags])
+    assert (result.exit_code, result.output.strip()) == (2, message)
+
+
+def test_awq_without_quant_is_refused_rather_than_built_in_fp32():
+    """--quant-method awq --calibrate without --quant built an fp32 engine, exit 0 (issue 63)."""
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(main, ["build", "--passes", "--quant-method", "awq", "--calibrate", "README.md"])
+    assert result.exit_code == 2 and result.output.strip() == (
+        "error: --quant-method awq calibrates the projections --quant quantizes, and --quant is none; add --quant "
+        "int4 or int8, or drop --quant-method awq")
+
+
 def test_the_server_takes_its_defaults_from_the_declarations():
     params = inspect.signature(server_app.create_app).parameters
     assert params["max_waiting"].default == ServerOptions().max_waiting

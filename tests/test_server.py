@@ -225,6 +225,22 @@ def test_bad_requests_get_400_naming_the_field(server, body, param, fragment):
     assert error["error"]["type"] == "invalid_request_error"
 
 
+def test_a_null_field_takes_its_default(server, local):
+    """`"temperature": null` and the like mean "not given", as in OpenAI's API (a 400 saying None
+    is not a number, until 2026-12-07)."""
+    nulls = {"temperature": None, "top_p": None, "top_k": None, "n": None, "stop": None, "seed": None,
+             "presence_penalty": None, "logit_bias": None, "stream": None, "ignore_eos": None}
+    status, body, _ = server.post("/v1/completions", json.dumps({"prompt": "def f(x):", "max_tokens": 5, **nulls,
+                                                                 "temperature": 0}))
+    assert status == 200 and body["choices"][0]["text"] == local.generate("def f(x):", SamplingParams(max_tokens=5)).text
+    status, nulled, _ = server.post("/v1/completions", json.dumps({"prompt": "def f(x):", "max_tokens": 5, **nulls}))
+    assert status == 200 and len(nulled["choices"]) == 1, nulled
+    status, body, _ = server.post("/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": None, "max_completion_tokens": 3,
+         "temperature": None, "top_logprobs": None}))
+    assert status == 200 and body["usage"]["completion_tokens"] <= 3, body
+
+
 def test_unimplemented_fields_pass_at_their_neutral_values_and_chat_takes_max_completion_tokens(server, local):
     client = _client(server)
     r = client.completions.create(model="code", prompt="def f(x):", max_tokens=6, temperature=0, presence_penalty=0,

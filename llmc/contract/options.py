@@ -191,6 +191,9 @@ class BuildOptions:
         for declared in declarations(BuildOptions):
             if declared.choices is not None:
                 _one_of(declared.flag, getattr(self, declared.name), declared.choices)
+        if self.quant_method == "awq" and self.quant == "none":  # it scales the --quant projections only
+            raise LlmcError("--quant-method awq calibrates the projections --quant quantizes, and --quant is none; "
+                            "add --quant int4 or int8, or drop --quant-method awq")
         if self.calibrate is not None and self.quant_method != "awq" and self.draft_vocab is None:
             raise LlmcError("--calibrate is read by --quant-method awq and --draft-vocab only; add one or drop "
                             "--calibrate")
@@ -368,20 +371,26 @@ class ServerOptions:
     """How `llmc serve` (and Ray Serve's replicas of it) listens, queues and stops."""
 
     host: str = option("127.0.0.1", "Address to listen on.")
-    port: int = option(8000, "Port to listen on.")
+    port: int = option(8000, "Port to listen on (0: any free port).", low=0, high=65535)
     max_waiting: int = option(256, "Requests that may wait for a slot; beyond it the server answers 429 with "
-                                   "Retry-After.")
-    grace_period: float = option(30.0, "Seconds SIGTERM waits for running requests to finish before exiting.")
+                                   "Retry-After.", low=0, high=1_000_000)
+    grace_period: float = option(30.0, "Seconds SIGTERM waits for running requests to finish before exiting.",
+                                 low=0, high=86_400)
     replicas: int | None = option(None, "Serve this many replicas (each with --threads CPUs, default 1) behind "
                                         "Ray Serve's proxy and llmc's load-aware router; needs pip install "
                                         "'llmc[ray]'.", low=1, high=256, default_text="one server, without Ray")
 
     def __post_init__(self):
-        replicas = declaration(ServerOptions, "replicas")
-        if self.replicas is not None and (isinstance(self.replicas, bool) or not isinstance(self.replicas, int)
-                                          or not replicas.low <= self.replicas <= replicas.high):
-            raise LlmcError(f"--replicas must be an integer >= {replicas.low} and <= {replicas.high} "
-                            f"(got {self.replicas!r})")
+        # Checked here, before anything starts: a port past 65535 printed "serving" and then hung.
+        for declared in declarations(ServerOptions):
+            value = getattr(self, declared.name)
+            if declared.low is None or value is None and declared.default is None:
+                continue
+            number = (float, int) if declared.name == "grace_period" else int
+            if isinstance(value, bool) or not isinstance(value, number) or not declared.low <= value <= declared.high:
+                kind = "a number" if number is not int else "an integer"
+                raise LlmcError(f"{declared.flag} must be {kind} >= {declared.low} and <= {declared.high} "
+                                f"(got {value!r})")
 
 
 def _int_range(declared: Option) -> tuple[int, int | None, str]:

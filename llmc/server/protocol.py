@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from llmc.runtime.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -47,6 +47,13 @@ class _Sampling(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's
     logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        """A field sent as null takes its default, as in OpenAI's API: `"temperature": null` was a
+        400 saying None is not a number."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     @field_validator(*_NO_EFFECT, check_fields=False)  # fields only one endpoint has are declared on its request
     @classmethod
