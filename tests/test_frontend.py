@@ -207,3 +207,11 @@ def test_export_failure_is_one_line_without_exporter_dumps(tmp_path, monkeypatch
     out, err = capfd.readouterr()
     assert out == "" and err == ""
     assert not (tmp_path / "engine").exists()
+
+
+def test_a_config_nested_too_deeply_is_one_line(tmp_path):
+    """A RecursionError traceback until 2026-12-07 (issue 63)."""
+    (tmp_path / "config.json").write_text('{"a": ' * 100_000 + "1" + "}" * 100_000)
+    with pytest.raises(ModelError, match="config.json: nested too deeply to be a model's config$") as info:
+        read_config(tmp_path)
+    assert "\n" not in str(info.value)

@@ -132,8 +132,11 @@ def test_cli_bad_options_are_one_line_errors(llama_engine, tmp_path):
     (None, "[1, 2]", "corrupt: expected a JSON object, got list"),
     (None, '{"schema_version": 9, "options": {}}', "schema_version 9, this llmc reads 1"),
     (None, '{"schema_version": 1}', "options is missing or not an object"),
+    # A RecursionError traceback until 2026-12-07 (issue 63).
+    (None, '{"a": ' * 100_000 + "1" + "}" * 100_000, "corrupt: nested too deeply to be an llmc file"),
 ], ids=["threads-1000000", "threads-cpus+1", "string", "float", "zero", "bool-string", "unknown-level",
-        "unknown-key", "untunable-key", "conflict", "corrupt-json", "not-an-object", "schema-9", "no-options"])
+        "unknown-key", "untunable-key", "conflict", "corrupt-json", "not-an-object", "schema-9", "no-options",
+        "nested-100000-deep"])
 def test_bad_tuning_json_is_ignored_with_one_warning(engine_copy, default_options, caplog, options, text, problem):
     _tuning(engine_copy, options, text)
     llm = LLM(engine_copy)

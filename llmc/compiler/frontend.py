@@ -140,6 +140,8 @@ def read_config(folder: Path) -> dict[str, Any]:
         return json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelError(f"cannot read {folder / 'config.json'}: {exc}; is the model folder complete?") from None
+    except RecursionError:  # the parser recurses per level
+        raise ModelError(f"cannot read {folder / 'config.json'}: nested too deeply to be a model's config") from None
 
 
 # RoPE types whose frequencies are fixed at build time, or made per row at export (longrope,

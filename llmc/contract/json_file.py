@@ -18,6 +18,8 @@ def read_json_object(path: Path, corrupt: Callable[[str], Exception],
         raise corrupt(f"{e.msg} at line {e.lineno}") from None
     except UnicodeDecodeError:
         raise corrupt("not UTF-8 text") from None
+    except RecursionError:  # the parser recurses per level: a file of 100,000 nested objects
+        raise corrupt("nested too deeply to be an llmc file") from None
     except OSError as e:
         raise unreadable(str(e.strerror)) from None
     if not isinstance(data, dict):
