@@ -470,6 +470,40 @@ def test_a_request_larger_than_the_queue_bound_is_taken_when_nothing_waits(code_
         s.close()
 
 
+def test_requests_tokenizing_while_others_arrive_count_against_the_queue_bound():
+    """Long prompts are tokenized in a worker after the queue check: requests that arrived meanwhile
+    all passed the check and then all queued, past --max-waiting (issue 63). Those admitted but
+    still tokenizing now count as waiting."""
+    from types import SimpleNamespace
+
+    from llmc.server.app import HttpError, _Server
+    from llmc.server.protocol import CompletionRequest
+
+    class Engine:  # queues what it is given; tokenizing yields to the loop, as a worker thread does
+        def __init__(self):
+            self.num_waiting = 0
+
+        async def tokenize(self, prompt):
+            await asyncio.sleep(0.01)
+            return prompt
+
+        async def add_request(self, prompt, params, request_id):
+            self.num_waiting += 1
+            return SimpleNamespace(request_id=request_id)
+
+    server = _Server(None, "m", {}, None, max_waiting=4)
+    server.engine = Engine()
+    body = CompletionRequest(prompt="x" * 20_000, n=4, max_tokens=2)
+
+    async def both():
+        return await asyncio.gather(*(server.start(body, ["x" * 20_000], 2) for _ in range(2)),
+                                    return_exceptions=True)
+
+    first, second = asyncio.run(both())
+    assert len(first[1]) == 4 and isinstance(second, HttpError) and second.status == 429
+    assert server.engine.num_waiting == 4 and server.admitting == 0
+
+
 def test_chat_without_a_template_is_400_naming_the_fix(code_engine):
     s = _Server(code_engine)
     try:

@@ -59,6 +59,7 @@ class _Server:
         self.metrics: ServerMetrics | None = None
         self.load_error: str | None = None
         self.template = None
+        self.admitting = 0  # requests past the queue check whose streams are not all queued yet
 
     def load(self) -> None:
         """Runs in a worker thread while the server already answers /health with 503."""
@@ -84,14 +85,17 @@ class _Server:
         """The streams of every prompt's n choices: choice i of prompt p is stream p * n + i, with
         the sampling (and seed) that choice i of the prompt alone would have."""
         engine = self.ready()
+        # Requests admitted but still tokenizing count as waiting: a long prompt is tokenized in a
+        # worker, and requests that came meanwhile all passed the check and then all queued.
         # A request larger than the bound is taken when nothing waits: it would never fit otherwise.
-        waiting, total = engine.num_waiting, len(prompts) * body.n
+        waiting, total = engine.num_waiting + self.admitting, len(prompts) * body.n
         if waiting >= self.max_waiting or (waiting and waiting + total > self.max_waiting):
             raise HttpError(429, f"the server's queue is full ({waiting} requests waiting, at most "
                                  f"{self.max_waiting}); retry later", kind="rate_limit_exceeded",
                             headers={"Retry-After": "1"})
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = []
+        self.admitting += total
         try:
             for p, prompt in enumerate(prompts):
                 which = f"prompt {p}: " if len(prompts) > 1 else ""  # which of several a refusal is about
@@ -103,6 +107,8 @@ class _Server:
             for stream in streams:
                 await stream.aclose()
             raise _refused(exc, which, body.token_limit_field, "prompt") from None
+        finally:
+            self.admitting -= total
         return rid, streams
 
     async def choices(self, streams: list) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
