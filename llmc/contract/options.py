@@ -314,11 +314,7 @@ class RuntimeOptions:
         if value is None and "None" in kind:
             return
         if "int" in kind:
-            low, high, what = _int_range(declared)
-            in_range = isinstance(value, int) and value >= low and (high is None or value <= high)
-            if isinstance(value, bool) or not in_range:
-                limit = f" and <= {high}{what}" if high is not None else ""
-                raise LlmcError(f"{name} must be an integer >= {low}{limit} (got {value!r})")
+            _check_bounds(name, value, declared)
         if kind == "bool" and not isinstance(value, bool):
             raise LlmcError(f"{name} must be True or False (got {value!r})")
         if name == "speculative" and not (isinstance(value, str) and value):
@@ -384,13 +380,18 @@ class ServerOptions:
         # Checked here, before anything starts: a port past 65535 printed "serving" and then hung.
         for declared in declarations(ServerOptions):
             value = getattr(self, declared.name)
-            if declared.low is None or value is None and declared.default is None:
-                continue
-            number = (float, int) if declared.name == "grace_period" else int
-            if isinstance(value, bool) or not isinstance(value, number) or not declared.low <= value <= declared.high:
-                kind = "a number" if number is not int else "an integer"
-                raise LlmcError(f"{declared.flag} must be {kind} >= {declared.low} and <= {declared.high} "
-                                f"(got {value!r})")
+            if declared.low is not None and not (value is None and "None" in declared.type):
+                _check_bounds(declared.flag, value, declared)
+
+
+def _check_bounds(label: str, value: Any, declared: Option) -> None:
+    """A number within the declaration's bounds (an int unless it is declared a float), else one line."""
+    low, high, what = _int_range(declared)
+    number = (int, float) if declared.type.startswith("float") else int
+    if isinstance(value, bool) or not isinstance(value, number) or value < low or (high is not None and value > high):
+        limit = f" and <= {high}{what}" if high is not None else ""
+        raise LlmcError(f"{label} must be {'an integer' if number is int else 'a number'} >= {low}{limit} "
+                        f"(got {value!r})")
 
 
 def _int_range(declared: Option) -> tuple[int, int | None, str]:

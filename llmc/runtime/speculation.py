@@ -68,27 +68,35 @@ def best_k(chances: list[float], c: float, most: int, found: float = 1.0, asking
     return best
 
 
-def calibrate(engine: Engine, s: int, reps: int = 3) -> float:
-    """The slope c of rows of s tokens on this engine now, at batch 1: rows over the scratch block
-    (which nothing reads), alternating, the best of a few each. Every row length up to s runs once
-    first where a step is short: a shape's first run binds its buffers, which cost a small model's
-    step as much again, and would land in the live costs' first verify steps."""
+def _seconds(engine: Engine, n: int, table: list[int]) -> float:
+    """One batch-1 step of a row of n tokens over the scratch block (which nothing reads), logits at each."""
+    start = time.perf_counter()
+    engine.forward_rows([Row([0] * n, 0, table)], logits_indices=list(range(n)))
+    return time.perf_counter() - start
+
+
+def _plain_seconds(engine: Engine) -> float:
+    """A plain batch-1 step's seconds on this engine now: the best of two after a warm-up."""
+    _seconds(engine, 1, [io.SCRATCH_BLOCK])  # the shape's first run binds its buffers
+    return min(_seconds(engine, 1, [io.SCRATCH_BLOCK]) for _ in range(2))
+
+
+def calibrate(engine: Engine, s: int, reps: int = 3) -> tuple[float, float]:
+    """(a plain batch-1 step's seconds, the slope c of rows of s tokens) on this engine now: rows
+    of 1 and s tokens alternating, the best of a few each. Every row length up to s runs once first
+    where a step is short: a shape's first run binds its buffers, which cost a small model's step as
+    much again, and would land in the live costs' first verify steps."""
     table = [io.SCRATCH_BLOCK] * blocks_for(s, engine.block_size)
-
-    def seconds(n: int) -> float:
-        start = time.perf_counter()
-        engine.forward_rows([Row([0] * n, 0, table)], logits_indices=list(range(n)))
-        return time.perf_counter() - start
-
-    one = min(seconds(1) for _ in range(2))
+    one = min(_seconds(engine, 1, table) for _ in range(2))
     if one < WARM_ALL_BELOW:
         for n in range(2, s):
-            seconds(n)
+            _seconds(engine, n, table)
     times: dict[int, list[float]] = {1: [], s: []}
     for _ in range(reps):
         for n in (1, s):
-            times[n].append(seconds(n))
-    return max(0.0, (min(times[s][1:]) / min(times[1]) - 1.0) / (s - 1))
+            times[n].append(_seconds(engine, n, table))
+    one = min(times[1])
+    return one, max(0.0, (min(times[s][1:]) / one - 1.0) / (s - 1))
 
 
 class StepCosts:
@@ -149,16 +157,6 @@ class StepCosts:
         # The upper median: sorted() on a few floats is a fifth of statistics.median's cost, every step.
         median = self._median[name, kind] = sorted(window)[len(window) // 2]
         return median
-
-
-def _plain_seconds(engine: Engine) -> float:
-    row = Row([0], 0, [io.SCRATCH_BLOCK])
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        engine.forward_rows([row])
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
 
 
 class _RowState:
@@ -412,7 +410,7 @@ def make_policy(options, target: Engine, tokenizer_file: Path) -> SpeculationPol
     k = options.num_speculative_tokens
     costs = None
     if options.speculative_adaptive:
-        plain = _plain_seconds(target)
-        costs = StepCosts(calibrate(target, k + 1), tuple(
-            _plain_seconds(p.engine) / plain if isinstance(p, DraftProposer) else 0.0 for p in proposers))
+        plain, slope = calibrate(target, k + 1)
+        costs = StepCosts(slope, tuple(_plain_seconds(p.engine) / plain if isinstance(p, DraftProposer) else 0.0
+                                       for p in proposers))
     return SpeculationPolicy(proposers, k, costs)
