@@ -18,6 +18,7 @@ class Seq:
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0
         self.cache_salt = None
+        self.state_slot = 0
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -108,3 +109,24 @@ def test_lru_reuse_and_eviction_counters():
     assert mgr.stats.evictions == 2
     mgr.free(c)
     assert mgr.allocate_prefix(Seq(range(9))) == 0
+
+
+def test_a_hybrids_sequences_hold_one_state_slot_each_while_they_have_blocks():
+    import pytest
+
+    mgr = BlockManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True, state_slots=3)
+    assert not mgr.enable_prefix_caching  # a block's KV is not the state at its end
+    a, b, c = Seq([0] * 9), Seq([0] * 9), Seq([1] * 5)
+    for seq in (a, b):
+        assert mgr.allocate_prefix(seq) == 0
+        mgr.append(seq, len(seq.token_ids))
+    assert {a.state_slot, b.state_slot} == {1, 2}  # slot 0 is scratch, never handed out
+    slot = a.state_slot
+    mgr.append(a, 12)  # growing keeps the slot
+    assert a.state_slot == slot
+    with pytest.raises(MemoryError, match="state slot"):
+        mgr.append(c, 5)
+    mgr.free(a)
+    assert a.state_slot == 0
+    mgr.append(c, 5)
+    assert c.state_slot == slot

@@ -215,7 +215,7 @@ def test_every_key_is_typed() -> None:
         Manifest.from_json(data)
     data = sample_manifest().to_json()
     data["io"]["inputs"] = data["io"]["inputs"][:-1]  # a layer's pool missing
-    with pytest.raises(ContractError, match="not the paged-attention interface of a 2-layer engine"):
+    with pytest.raises(ContractError, match="not the paged-attention interface of an engine of 2 attention layers"):
         Manifest.from_json(data)
     assert from_json(BuildOptions, to_json(BuildOptions(block_size=8))) == BuildOptions(block_size=8)
 

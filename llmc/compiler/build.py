@@ -22,6 +22,7 @@ from llmc.contract import graph_io, kv_layout
 from llmc.contract.codec import to_json
 from llmc.contract.engine_dir import EngineWriter
 from llmc.contract.manifest import (Backend, KVCache, Manifest, PassRecord, Payload, Quantization, QuantizedTensor,
+                                   StateTensor,
                                    Source)
 from llmc.contract.model_spec import ModelSpec
 from llmc.contract.options import DEFAULT_MAX_CONTEXT, QUANT_BITS, QUANT_BLOCK_SIZES, WEIGHT_ROLES, BuildOptions
@@ -112,6 +113,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
     from llmc.passes.manager import PassManager
     from llmc.passes.pipeline import pipeline
     from llmc.passes.quantize_weights import QuantizeWeights, records_of
+    from llmc.passes.recurrent_state import states_of
     from llmc.passes.rotary_tables import RotaryTables
     from llmc.passes.verify import verifier
     from llmc.plugins import cpu
@@ -149,6 +151,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             if isinstance(p, RotaryTables):
                 p.max_context = max_context
         _check_quantization(options, spec, passes)
+        _check_recurrent(options, spec)
         if options.verify:
             _check_verify_fits(spec)
         stage("resolve", t, f"{spec.architecture}, {spec.num_layers} layers, hidden {spec.hidden_size}")
@@ -228,7 +231,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             backend=backend,
             model_spec=spec,
             build_options=options,
-            kv_cache=KVCache(kv_layout.of_model(model), kv_dtype, options.block_size, spec.num_layers,
+            kv_cache=KVCache(kv_layout.of_model(model), kv_dtype, options.block_size, len(spec.attention_layers),
                              spec.num_kv_heads, spec.head_dim),
             io=io,
             payload=payload,
@@ -237,6 +240,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             passes=tuple(records),
             quantization=_quantization(options, quantized, calibration is not None),
             lm_head_tokens=head_tokens,
+            states=tuple(StateTensor(s["layer"], s["kind"], tuple(s["shape"])) for s in states_of(model)),
         ))
     return BuildResult(output, stages, peak_rss_mb(), manager.misses)
 
@@ -323,6 +327,23 @@ def _tensorrt_plan(tools, root: Path, spec: ModelSpec, options: BuildOptions) ->
     (root / trt_plan.PLAN_FILE).write_bytes(plan)
     backend = Backend("tensorrt", "cuda", (), tools.gpu_arch, tools.version, trt_plan.PLUGIN_FILE, shapes)
     return backend, Payload(trt_plan.PLAN_FILE, None)
+
+
+def _check_recurrent(options: BuildOptions, spec: ModelSpec) -> None:
+    """A hybrid's recurrent layers run on llmc's CPU kernels only: one line where they cannot."""
+    if not spec.recurrent_layers:
+        return
+    from llmc.passes.cpu_kernels import kernel_library_missing
+
+    kinds = sorted({spec.layer_types[i] for i in spec.recurrent_layers})
+    if options.backend == "tensorrt":
+        raise LlmcError(f"{spec.architecture}'s {' and '.join(kinds)} layers have no TensorRT kernel in llmc; "
+                        "build it with --backend onnxruntime")
+    if (missing := kernel_library_missing()) is not None:
+        raise LlmcError(f"{spec.architecture}'s {' and '.join(kinds)} layers run on llmc's CPU kernels: {missing}")
+    if options.verify:
+        raise LlmcError(f"--verify does not yet cover a hybrid's recurrent state ({spec.architecture}); "
+                        "build without --verify")
 
 
 def _check_quantization(options: BuildOptions, spec: ModelSpec, passes) -> None:
@@ -413,8 +434,10 @@ def _counts_text(counts: dict[str, int]) -> str:
 
 def _graph_io(model, spec: ModelSpec) -> graph_io.GraphIO:
     """The compiled graph's interface, which must be the engine contract's."""
+    from llmc.passes.recurrent_state import states_of
+
     have = {v.name for v in [*model.graph.inputs, *model.graph.outputs]}
-    io = graph_io.GraphIO.paged(spec.num_layers, graph_io.GREEDY_TOKENS in have)
+    io = graph_io.GraphIO.paged(len(spec.attention_layers), graph_io.GREEDY_TOKENS in have, len(states_of(model)))
     missing = [name for name in (*io.inputs, *io.outputs) if name not in have]
     extra = sorted(have - {*io.inputs, *io.outputs})
     if missing or extra:

@@ -36,7 +36,7 @@ def export_onnx(hf_model, spec: ModelSpec, weights=None):
     parameters read from `weights` (llmc.compiler.weights; default: the module's own state dict)."""
     import torch
 
-    from llmc.compiler import attention, experts
+    from llmc.compiler import attention, experts, recurrent
     from llmc.compiler.frontend import parameter_names
     from llmc.compiler.rope import make_rope_per_row
     from llmc.compiler.weights import StateDictWeights
@@ -59,7 +59,7 @@ def export_onnx(hf_model, spec: ModelSpec, weights=None):
     seq = torch.export.Dim("seq", min=1, max=max(spec.max_position_embeddings, 16))
     dims = {0: batch, 1: seq}
     try:
-        with _quiet():
+        with _quiet(), recurrent.exportable(hf_model):
             program = torch.onnx.export(
                 LogitsOnly(hf_model),
                 (input_ids, position_ids),
@@ -68,7 +68,8 @@ def export_onnx(hf_model, spec: ModelSpec, weights=None):
                 input_names=list(graph_io.TOKEN_INPUTS),
                 output_names=[graph_io.LOGITS],
                 dynamic_shapes={name: dims for name in graph_io.TOKEN_INPUTS},
-                custom_translation_table={**attention.onnx_translations(), **experts.onnx_translations()},
+                custom_translation_table={**attention.onnx_translations(), **experts.onnx_translations(),
+                                          **recurrent.onnx_translations()},
                 verbose=False,
                 optimize=False,
             )

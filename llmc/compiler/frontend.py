@@ -39,6 +39,9 @@ class Family:
     # quantization_config methods of checkpoints the family is released in, which llmc reads as
     # they are (gpt-oss's MXFP4 experts); any other quantized checkpoint is refused.
     released_quantization: tuple[str, ...] = ()
+    # The layer_types kind of the family's recurrent layers (a hybrid: LFM2's "conv", Qwen3.5's
+    # "linear_attention"), whose state the recurrent-state pass threads through the graph.
+    recurrent: str | None = None
 
 
 FAMILIES = (
@@ -88,6 +91,9 @@ FAMILIES = (
     Family("nanochat", "NanoChatForCausalLM", "nanochat", gated_mlp=False),
     Family("jais2", "Jais2ForCausalLM", "jais2", gated_mlp=False),
     Family("seed_oss", "SeedOssForCausalLM", "seed_oss"),
+    # Hybrids: recurrent layers beside attention (compiler/recurrent.py, passes/recurrent_state.py).
+    Family("lfm2", "Lfm2ForCausalLM", "lfm2", recurrent="conv"),
+    Family("qwen3_5_text", "Qwen3_5ForCausalLM", "qwen3_5_text", recurrent="linear_attention"),
 )
 SUPPORTED_ARCHITECTURES = {f.architecture: f for f in FAMILIES}
 _FAMILY_OF_TYPE = {f.model_type: f for f in FAMILIES}  # transformers loads a config without architectures by it
@@ -148,6 +154,7 @@ def read_config(folder: Path) -> dict[str, Any]:
 # dynamic: see llmc.compiler.rope).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+RECURRENT_LAYER_TYPES = ("conv", "linear_attention")
 
 
 def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
@@ -182,10 +189,14 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     if config.get("use_bidirectional_attention"):
         raise ModelError("config.json sets use_bidirectional_attention (an embedding model, not a decoder); "
                          "llmc builds causal language models")
-    _check_layer_types(config.get("layer_types"), config["num_hidden_layers"])  # transformers' own message names no layer
+    kinds = (*LAYER_TYPES, family.recurrent) if family.recurrent else LAYER_TYPES
+    _check_layer_types(config.get("layer_types"), config["num_hidden_layers"], kinds)  # transformers' names no layer
     derived = _transformers_config(config)
     rope_theta, rope_scaling, local_theta = _rope(derived)
     window, layer_types = _windows(derived, family, config["num_hidden_layers"])
+    if family.recurrent:
+        layer_types = tuple(derived.layer_types)
+        _check_layer_types(list(layer_types), config["num_hidden_layers"], kinds)
     return ModelSpec(
         family=family.name,
         architecture=family.architecture,
@@ -194,11 +205,11 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
         num_heads=heads,
         num_kv_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or hidden // heads,
-        intermediate_size=config["intermediate_size"],
+        intermediate_size=_intermediate_size(derived),
         vocab_size=config["vocab_size"],
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         rope_theta=rope_theta,
-        norm_eps=float(config.get("rms_norm_eps", config.get("norm_epsilon", 1e-6))),
+        norm_eps=float(config.get("rms_norm_eps", config.get("norm_epsilon", config.get("norm_eps", 1e-6)))),
         gated_mlp=family.gated_mlp,
         activation=config.get("hidden_activation") or config.get("hidden_act", "silu"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -214,7 +225,34 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
         num_experts=int(config.get("num_experts") or config.get("num_local_experts") or 0),
         experts_per_token=int(config.get("num_experts_per_tok") or config.get("moe_topk") or 0),
         expert_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+        recurrent_parameters=_recurrent_parameters(derived, family),
     )
+
+
+def _intermediate_size(derived) -> int:
+    """The MLP's width as the family's code sizes it: LFM2 takes 2/3 of config.json's, times a
+    multiplier, rounded up to a multiple (block_auto_adjust_ff_dim)."""
+    size = derived.intermediate_size
+    if getattr(derived, "block_auto_adjust_ff_dim", False):
+        size = int(2 * size / 3)
+        if derived.block_ffn_dim_multiplier is not None:
+            size = int(derived.block_ffn_dim_multiplier * size)
+            multiple = derived.block_multiple_of
+            size = multiple * -(-size // multiple)
+    return size
+
+
+def _recurrent_parameters(derived, family: Family) -> int:
+    """The parameters of one recurrent layer's mixer (in place of attention's), for the size check."""
+    hidden = derived.hidden_size
+    if family.recurrent == "conv":  # in_proj (B, C, x), the depthwise conv, out_proj
+        return 4 * hidden * hidden + hidden * derived.conv_L_cache
+    if family.recurrent == "linear_attention":  # q, k, v, z, b, a projections, the conv over q, k, v, out_proj
+        keys = derived.linear_num_key_heads * derived.linear_key_head_dim
+        values = derived.linear_num_value_heads * derived.linear_value_head_dim
+        return hidden * (2 * keys + 2 * values + 2 * derived.linear_num_value_heads) + values * hidden + \
+            (2 * keys + values) * derived.linear_conv_kernel_dim
+    return 0
 
 
 def _transformers_config(config: dict[str, Any]):
@@ -259,10 +297,10 @@ def _check_rope_type(kind: str) -> None:
         raise ModelError(f"rope type {kind!r} is not supported; llmc supports {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
-def _check_layer_types(types, layers: int) -> None:
+def _check_layer_types(types, layers: int, kinds: tuple[str, ...] = LAYER_TYPES) -> None:
     if types is not None and (not isinstance(types, list) or len(types) != layers
-                              or any(t not in LAYER_TYPES for t in types)):
-        raise ModelError(f"config.json layer_types must list one of {', '.join(LAYER_TYPES)} for each of the "
+                              or any(t not in kinds for t in types)):
+        raise ModelError(f"config.json layer_types must list one of {', '.join(kinds)} for each of the "
                          f"{layers} layers (got {types!r}); fix config.json")
 
 

@@ -188,7 +188,7 @@ def _reinit(model, init_std: float, gen) -> None:
     with torch.no_grad():
         for module in model.modules():
             is_norm = isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith(
-                ("RMSNorm", "LayerNorm")  # Cohere's LayerNorm is its own class
+                ("RMSNorm", "LayerNorm", "RMSNormGated")  # Cohere's LayerNorm is its own class
             )
             for pname, p in module.named_parameters(recurse=False):
                 if id(p) in done:
@@ -198,9 +198,13 @@ def _reinit(model, init_std: float, gen) -> None:
                     p.normal_(0.0, 0.02, generator=gen)
                 elif pname == "sinks":  # a logit per head in each softmax (gpt-oss): big enough to matter
                     p.normal_(0.0, 1.0, generator=gen)
+                elif pname == "A_log":  # a DeltaNet head's decay rate: about 1
+                    p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+                elif pname == "dt_bias":  # softplus(a + dt_bias) small: decays slow enough to carry a state
+                    p.copy_(-3.0 + 0.5 * torch.randn(p.shape, generator=gen))
                 elif is_norm:
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-                elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) or hasattr(module, "top_k") or (
+                elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d)) or hasattr(module, "top_k") or (
                         hasattr(module, "gate_up_proj")):  # a MoE router's weight; an experts module's stacks
                     p.normal_(0.0, init_std, generator=gen)
                 else:

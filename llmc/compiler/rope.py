@@ -13,6 +13,11 @@ with the last position of its known sequence; llmc.contract.graph_io).
   transformers does for a single sequence.
 - dynamic (NTK): the frequencies only change beyond max_position_embeddings, which an engine's
   max context never exceeds (the build refuses it), so the fixed frequencies are exact.
+
+A multimodal RoPE (Qwen3.5's text model: sections of the frequencies rotated by the temporal,
+height and width position of an image patch) gets the same plain forward: text tokens have one
+position for all three, so every section rotates by it, and the exported graph is ordinary RoPE
+rather than a scatter per section.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ def make_rope_per_row(hf_model) -> int:
         kind = getattr(module, "rope_type", None)
         if not isinstance(kind, str) or not hasattr(module, "inv_freq"):
             continue
-        if kind == "longrope":
+        if hasattr(module, "mrope_section") and kind == "default":
+            module.forward = types.MethodType(_text_frequencies, module)
+        elif kind == "longrope":
             _per_row_longrope(module)
         elif "dynamic" in kind:
             module.forward = types.MethodType(_fixed_frequencies, module)
@@ -39,6 +46,11 @@ def make_rope_per_row(hf_model) -> int:
 
 def _fixed_frequencies(self, x, position_ids):
     return _cos_sin(self, x, position_ids, self.inv_freq)
+
+
+def _text_frequencies(self, x, position_ids):
+    """A multimodal RoPE's frequencies for text, whose sections' positions ([3, B, S]) are one."""
+    return _cos_sin(self, x, position_ids[0] if position_ids.ndim == 3 else position_ids, self.inv_freq)
 
 
 def _per_row_longrope(module) -> None:

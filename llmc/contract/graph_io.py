@@ -15,6 +15,12 @@ scoring pass for every position, a speculative step for the k+1 tokens it verifi
 Block 0 of every pool is scratch: padding tokens write there and no sequence is given it.
 A row's padding slots of position_ids hold the last position of the row's known sequence, so
 the row's largest position id is its length - 1: length-dependent RoPE (longrope) reads it there.
+
+A hybrid's graph (recurrent layers beside attention) also takes state_slots [B] int32, each row's
+slot in the state pools, and per recurrent state tensor the pool state.{i} [num_slots, ...],
+returned as state_out.{i} (bound to the same buffer). A row whose past_lens is 0 starts from a
+zero state; after the step its slot holds the state after its last valid token. Slot 0 is
+scratch, as block 0 is.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ LOGITS = "logits"
 GREEDY_TOKENS = "greedy_tokens"
 _CACHE_INPUT = "kv_cache.{}"
 _CACHE_OUTPUT = "kv_cache_out.{}"
+STATE_SLOTS = "state_slots"
+_STATE_INPUT = "state.{}"
+_STATE_OUTPUT = "state_out.{}"
 
 # The canonical (exported, cache-free) graph reads only the tokens and their positions.
 TOKEN_INPUTS = (INPUT_IDS, POSITION_IDS)
@@ -38,9 +47,11 @@ TOKEN_INPUTS = (INPUT_IDS, POSITION_IDS)
 STEP_INPUTS = {INPUT_IDS: "int64", POSITION_IDS: "int64", PAST_LENS: "int32", QUERY_LENS: "int32",
                BLOCK_TABLES: "int32", LOGITS_INDICES: "int64"}
 SCRATCH_BLOCK = 0
+SCRATCH_SLOT = 0
 
 # Symbolic dimension names in the graph.
 BATCH, SEQ, MAX_BLOCKS, NUM_BLOCKS, NUM_LOGITS = "batch", "seq", "max_blocks", "num_blocks", "num_logits"
+NUM_SLOTS = "num_slots"
 STEP_SHAPES = {INPUT_IDS: (BATCH, SEQ), POSITION_IDS: (BATCH, SEQ), PAST_LENS: (BATCH,), QUERY_LENS: (BATCH,),
                BLOCK_TABLES: (BATCH, MAX_BLOCKS), LOGITS_INDICES: (NUM_LOGITS,)}
 
@@ -58,6 +69,19 @@ def caches(num_layers: int) -> list[tuple[str, str]]:
     return [(cache_input(i), cache_output(i)) for i in range(num_layers)]
 
 
+def state_input(index: int) -> str:
+    return _STATE_INPUT.format(index)
+
+
+def state_output(index: int) -> str:
+    return _STATE_OUTPUT.format(index)
+
+
+def is_state(name: str | None) -> bool:
+    """Whether `name` is a recurrent state pool, as input or as output."""
+    return bool(name) and (name.startswith(_STATE_INPUT[:-2]) or name.startswith(_STATE_OUTPUT[:-2]))
+
+
 def is_cache(name: str | None) -> bool:
     """Whether `name` is a layer's pool, as input or as output."""
     return bool(name) and (name.startswith(_CACHE_INPUT[:-2]) or name.startswith(_CACHE_OUTPUT[:-2]))
@@ -71,13 +95,21 @@ class GraphIO:
     outputs: tuple[str, ...]
 
     @classmethod
-    def paged(cls, num_layers: int, greedy_tokens: bool = False) -> "GraphIO":
-        return cls(inputs=(*STEP_INPUTS, *map(cache_input, range(num_layers))),
-                   outputs=(LOGITS, *map(cache_output, range(num_layers)), *((GREEDY_TOKENS,) if greedy_tokens else ())))
+    def paged(cls, num_layers: int, greedy_tokens: bool = False, num_states: int = 0) -> "GraphIO":
+        """`num_layers` KV pools (a hybrid: its attention layers') and `num_states` state pools."""
+        states = (STATE_SLOTS, *map(state_input, range(num_states))) if num_states else ()
+        return cls(inputs=(*STEP_INPUTS, *map(cache_input, range(num_layers)), *states),
+                   outputs=(LOGITS, *map(cache_output, range(num_layers)), *map(state_output, range(num_states)),
+                            *((GREEDY_TOKENS,) if greedy_tokens else ())))
 
     @property
     def num_layers(self) -> int:
-        return len(self.inputs) - len(STEP_INPUTS)
+        """The KV pools."""
+        return sum(map(is_cache, self.inputs))
+
+    @property
+    def num_states(self) -> int:
+        return sum(name.startswith(_STATE_INPUT[:-2]) for name in self.inputs)
 
     @property
     def greedy_tokens(self) -> bool:
@@ -85,6 +117,10 @@ class GraphIO:
 
     def caches(self) -> list[tuple[str, str]]:
         return caches(self.num_layers)
+
+    def states(self) -> list[tuple[str, str]]:
+        """(input, output) per state pool: the names bound to one buffer."""
+        return [(state_input(i), state_output(i)) for i in range(self.num_states)]
 
 
 Dim = int | str | None  # a size, a symbolic dimension's name, or None: unknown

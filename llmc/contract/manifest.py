@@ -76,6 +76,25 @@ class KVCache:
 
 
 @dataclass(frozen=True)
+class StateTensor:
+    """One recurrent state of a hybrid's layer, per sequence slot: the pool state.{i} is
+    [num_slots, *shape] float32 (llmc.contract.graph_io). A short convolution's last inputs
+    ("conv": [kernel - 1, channels]) or a gated delta rule's matrices ("delta": [value heads,
+    key head dim, value head dim])."""
+
+    layer: int  # the model's layer
+    kind: Literal["conv", "delta"]
+    shape: tuple[int, ...]  # one slot's
+
+    @property
+    def slot_bytes(self) -> int:
+        size = 4
+        for dim in self.shape:
+            size *= dim
+        return size
+
+
+@dataclass(frozen=True)
 class QuantizedTensor:
     role: Literal["body", "lm_head", "embedding", "experts"]  # experts: the body's format, or MXFP4 as released
     format: Literal["bf16", "fp16", "int8", "int6", "int4", "mxfp4"]
@@ -158,6 +177,8 @@ class Manifest:
     # A draft's LM head columns (--draft-vocab, passes/draft_vocab.py): logits column j is token
     # lm_head_tokens[j]; None: the whole vocabulary, column j is token j.
     lm_head_tokens: tuple[int, ...] | None = added(None)
+    # A hybrid's recurrent states, in the order of the graph's state pools; () for a transformer.
+    states: tuple[StateTensor, ...] = added(())
     # Filled in by EngineWriter.commit:
     files: dict[str, FileEntry] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -175,10 +196,19 @@ class Manifest:
         if self.kv_cache.block_size != self.build_options.block_size:
             raise ContractError(f"kv_cache.block_size {self.kv_cache.block_size} differs from build_options."
                                 f"block_size {self.build_options.block_size}")
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
+        attention_layers = len(self.model_spec.attention_layers)
+        if self.kv_cache.num_layers != attention_layers:
+            raise ContractError(f"kv_cache.num_layers {self.kv_cache.num_layers} differs from the {attention_layers} "
+                                "attention layers of model_spec")
+        for name in ("num_kv_heads", "head_dim"):
             cache, spec = getattr(self.kv_cache, name), getattr(self.model_spec, name)
             if cache != spec:
                 raise ContractError(f"kv_cache.{name} {cache} differs from model_spec.{name} {spec}")
+        recurrent = set(self.model_spec.recurrent_layers)
+        for i, state in enumerate(self.states):
+            if state.layer not in recurrent or not state.shape or min(state.shape) < 1:
+                raise ContractError(f"states[{i}]: expected a recurrent layer of model_spec and a shape of sizes "
+                                    f">= 1, got layer {state.layer}, shape {list(state.shape)}")
         if self.max_context > self.model_spec.max_position_embeddings:
             raise ContractError(f"build_options.max_context {self.max_context} exceeds model_spec."
                                 f"max_position_embeddings {self.model_spec.max_position_embeddings}")
@@ -187,8 +217,10 @@ class Manifest:
                                    or any(a >= b for a, b in zip(tokens, tokens[1:]))):
             raise ContractError(f"lm_head_tokens: expected ascending token ids below model_spec.vocab_size "
                                 f"{self.model_spec.vocab_size}")
-        if self.io != GraphIO.paged(self.kv_cache.num_layers, self.io.greedy_tokens):
-            raise ContractError(f"io: not the paged-attention interface of a {self.kv_cache.num_layers}-layer engine")
+        if self.io != GraphIO.paged(self.kv_cache.num_layers, self.io.greedy_tokens, len(self.states)):
+            states = f" with {len(self.states)} recurrent states" if self.states else ""
+            raise ContractError(f"io: not the paged-attention interface of an engine of {self.kv_cache.num_layers} "
+                                f"attention layers{states}")
 
     @property
     def max_context(self) -> int:
@@ -220,6 +252,11 @@ class Manifest:
         outputs = {graph_io.LOGITS: logits}
         for cache_in, cache_out in self.io.caches():
             inputs[cache_in] = outputs[cache_out] = pool
+        if self.states:
+            inputs[graph_io.STATE_SLOTS] = TensorType("int32", (graph_io.BATCH,))
+        for i, ((state_in, state_out), state) in enumerate(zip(self.io.states(), self.states)):
+            inputs[state_in] = outputs[state_out] = TensorType(
+                "float32", (graph_io.NUM_SLOTS, *state.shape), (None, *[f"states[{i}].shape"] * len(state.shape)))
         if self.io.greedy_tokens:
             outputs[graph_io.GREEDY_TOKENS] = TensorType("int64", (graph_io.NUM_LOGITS,))
         return inputs, outputs

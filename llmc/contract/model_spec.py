@@ -12,7 +12,9 @@ from typing import Any, Literal
 
 from llmc.contract.codec import added
 
-LayerType = Literal["full_attention", "sliding_attention"]
+LayerType = Literal["full_attention", "sliding_attention", "conv", "linear_attention"]
+# The kinds of layer that keep a recurrent state instead of a KV cache (a hybrid's).
+RECURRENT_LAYERS = ("conv", "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,23 @@ class ModelSpec:
     num_experts: int = added(0)
     experts_per_token: int = added(0)
     expert_intermediate_size: int = added(0)
+    # A hybrid's recurrent layers (layer_types RECURRENT_LAYERS): one's parameters, in place of
+    # attention's.
+    recurrent_parameters: int = added(0)
 
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types lists {len(self.layer_types)} layers, num_layers is {self.num_layers}")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend (and have a KV pool), in order: all but a hybrid's recurrent ones."""
+        return tuple(i for i in range(self.num_layers)
+                     if not self.layer_types or self.layer_types[i] not in RECURRENT_LAYERS)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind in RECURRENT_LAYERS)
 
     def window(self, layer: int) -> int:
         """The sliding window of layer `layer` in tokens; 0 for full attention."""
@@ -69,7 +84,8 @@ class ModelSpec:
         if self.num_experts:  # every layer's experts and router (a dense layer or shared expert among them: close)
             mlp = self.num_experts * (3 * self.hidden_size * self.expert_intermediate_size + self.hidden_size)
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attention + mlp) + embeddings
+        mixers = len(self.attention_layers) * attention + len(self.recurrent_layers) * self.recurrent_parameters
+        return mixers + self.num_layers * mlp + embeddings
 
     @property
     def longrope_boundary(self) -> int | None:

@@ -72,4 +72,4 @@ class LogitsIndices(RulePass):
         return [GatherBeforeLMHead()]
 
     def finish(self, model: ir.Model, spec: ModelSpec, counts) -> None:
-        contract_input_order(model, spec.num_layers)
+        contract_input_order(model)

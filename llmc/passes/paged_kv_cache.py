@@ -59,7 +59,7 @@ class AttentionToPaged(Rule):
         attrs = pa.PagedAttentionAttrs(
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
             scale=node.attributes.get_float("scale", 1.0 / math.sqrt(spec.head_dim)),
-            sliding_window=spec.window(layer), softcap=node.attributes.get_float("softcap", 0.0))
+            sliding_window=spec.window(spec.attention_layers[layer]), softcap=node.attributes.get_float("softcap", 0.0))
         out, cache_out = op.op(
             pa.OP_TYPE, m.q, m.k, m.v, cache, op.graph_input(io.PAST_LENS, I32, [io.BATCH]),
             op.graph_input(io.QUERY_LENS, I32, [io.BATCH]),
@@ -98,12 +98,14 @@ class PagedKVCache(RulePass):
         function = pa.build_function(sinks)
         model.functions[function.identifier()] = function
         model.functions.pop((sink_attention.DOMAIN, sink_attention.SINK_OP, ""), None)
-        contract_input_order(model, spec.num_layers)
+        contract_input_order(model)
 
 
-def contract_input_order(model: ir.Model, num_layers: int) -> None:
+def contract_input_order(model: ir.Model) -> None:
     """Sort the graph's inputs into the contract's order (new inputs are appended after the pools)."""
-    order = {name: i for i, name in enumerate(io.GraphIO.paged(num_layers).inputs)}
+    names = [v.name for v in model.graph.inputs]
+    paged = io.GraphIO.paged(sum(map(io.is_cache, names)), num_states=sum(map(io.is_state, names)))
+    order = {name: i for i, name in enumerate(paged.inputs)}
     inputs = sorted(model.graph.inputs, key=lambda v: order.get(v.name, len(order)))
     model.graph.inputs.clear()
     model.graph.inputs.extend(inputs)

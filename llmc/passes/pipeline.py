@@ -4,7 +4,8 @@
                       rope-forms (RoPE on interleaved pairs or part of each head as ONNX RotaryEmbedding)
     fuse              merge-matmuls, draft-vocab (with --draft-vocab: the LM head's kept columns)
     quantize          quantize-weights (with --quant or --weight-dtype: DequantizeLinear/Cast -> MatMul)
-    rewrite KV I/O    paged-kv-cache, logits-indices (the LM head on the step's chosen tokens)
+    rewrite KV I/O    paged-kv-cache, recurrent-state (a hybrid's state pools), logits-indices (the LM head on
+                      the step's chosen tokens)
     backend kernels   ort-fusions (ORT's), cpu-kernels (llmc's own), rotary-tables
     lower             ort-lower (what no kernel took, in standard ops)
     layout            simplify-layout
@@ -17,7 +18,7 @@ With --backend tensorrt the first four phases are the same and the rest is Tenso
     lower             trt-plugin
     precision         trt-precision
 
-The engine contract needs paged-kv-cache, logits-indices and ort-lower (`Pass.required`); any
+The engine contract needs paged-kv-cache, recurrent-state, logits-indices and ort-lower (`Pass.required`); any
 other pass can be left out with --disable-pass. Passes that target llmc's CPU kernels stand aside,
 saying why, where the kernel library is not built.
 """
@@ -45,6 +46,7 @@ from llmc.passes.ort_lower import LowerPagedAttentionORT
 from llmc.passes.packed_matmul import PackedMatMuls
 from llmc.passes.paged_kv_cache import PagedKVCache
 from llmc.passes.quantize_weights import QuantizeWeights
+from llmc.passes.recurrent_state import RecurrentState
 from llmc.passes.rotary_tables import RotaryTables
 from llmc.passes.simplify_layout import SimplifyLayout
 from llmc.passes.trt_lower import TensorRTPlugin, TensorRTPrecision
@@ -63,7 +65,7 @@ def phases(options: BuildOptions) -> list[Phase]:
         Phase("canonicalize", (Cleanup(), NativeGQA(), LMHeadScale(), RopeForms())),
         Phase("fuse", (MergeMatMuls(),) + ((DraftVocab(),) if options.draft_vocab else ())),
         Phase("quantize", (QuantizeWeights(options),) if options.reduces_weights else ()),
-        Phase("rewrite KV I/O", (PagedKVCache(block), LogitsIndices())),
+        Phase("rewrite KV I/O", (PagedKVCache(block), RecurrentState(), LogitsIndices())),
     ]
     if options.backend == "tensorrt":
         return common + [Phase("lower", (TensorRTPlugin(),)),

@@ -102,6 +102,12 @@ class Engine:
             # Over the pool's own memory (no copy), typed as the graph wants (bf16 has no numpy type ORT takes).
             value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(*kv_layout.ort_value_args(pool, self.kv.dtype))
             self._pools.append((pool, value))
+        # A hybrid's recurrent state pools: a slot per running request and the scratch slot.
+        self.num_slots = options.max_num_seqs + 1 if manifest.states else 0
+        self._states = []
+        for state in manifest.states:
+            pool = np.zeros((self.num_slots, *state.shape), np.float32)
+            self._states.append((pool, ort.OrtValue.ortvalue_from_numpy(pool)))
         self._steps: dict[tuple[int, int, int, int], _StepBuffers] = {}
         self._last: _StepBuffers | None = None  # the step last run
 
@@ -141,22 +147,31 @@ class Engine:
     def kv_bytes(self) -> int:
         return sum(pool.nbytes for pool, _ in self._pools)
 
+    @property
+    def state_bytes(self) -> int:
+        """The recurrent state pools' bytes (a hybrid's; 0 for a transformer)."""
+        return sum(pool.nbytes for pool, _ in self._states)
+
     def pool(self, layer: int) -> np.ndarray:
         """The numpy view of a layer's cache pool (shares memory with the session's buffer)."""
         return self._pools[layer][0]
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, past_lens: np.ndarray,
-                query_lens: np.ndarray, block_tables: np.ndarray, logits_indices=None) -> np.ndarray:
+                query_lens: np.ndarray, block_tables: np.ndarray, logits_indices=None,
+                state_slots: np.ndarray | None = None) -> np.ndarray:
         """One step; returns logits [N, V], row n for the token logits_indices[n] names in the step's
         flattened [B*S] token grid (row b, token j is b*S + j). None: each row's last valid token
         (b*S + query_lens[b] - 1), so N = B; empty: none, N = 0. A padding token's logits mean
         nothing. The logits buffer is reused by the next step of the same shape: copy what must
-        outlive it."""
+        outlive it. A hybrid's rows use `state_slots` (default: slots 1 to B)."""
         batch, seq = input_ids.shape
         step = self._bound(batch, seq, block_tables.shape[1], logits_indices)
         for name, value in ((io.INPUT_IDS, input_ids), (io.POSITION_IDS, position_ids), (io.PAST_LENS, past_lens),
                             (io.QUERY_LENS, query_lens), (io.BLOCK_TABLES, block_tables)):
             np.copyto(step.inputs[name], value, casting="unsafe")
+        if self.num_slots:
+            slots = np.arange(1, batch + 1) if state_slots is None else state_slots
+            np.copyto(step.inputs[io.STATE_SLOTS], slots, casting="unsafe")
         if logits_indices is None:
             np.add(step.last_of_row, query_lens, out=step.inputs[io.LOGITS_INDICES])
         return self._run(step)
@@ -210,14 +225,16 @@ class Engine:
             sizes = {io.BATCH: batch, io.SEQ: seq, io.MAX_BLOCKS: width, io.NUM_LOGITS: num_logits}
             step = self._steps[key] = _StepBuffers(
                 inputs={name: np.zeros([sizes[d] for d in io.STEP_SHAPES[name]], dtype)
-                        for name, dtype in io.STEP_INPUTS.items()},
+                        for name, dtype in io.STEP_INPUTS.items()} |
+                       ({io.STATE_SLOTS: np.zeros(batch, np.int32)} if self.num_slots else {}),
                 logits=np.empty((num_logits, self.manifest.logits_width), np.float32),
                 greedy=np.empty(num_logits, np.int64) if self.io.greedy_tokens else None,
                 last_of_row=np.arange(batch, dtype=np.int64) * seq - 1,
                 binding=self.session.io_binding())
-            for (cache_in, cache_out), (_, value) in zip(self.io.caches(), self._pools):
-                step.binding.bind_ortvalue_input(cache_in, value)
-                step.binding.bind_ortvalue_output(cache_out, value)
+            for (pool_in, pool_out), (_, value) in zip([*self.io.caches(), *self.io.states()],
+                                                       [*self._pools, *self._states]):
+                step.binding.bind_ortvalue_input(pool_in, value)
+                step.binding.bind_ortvalue_output(pool_out, value)
             for name, array in step.inputs.items():
                 step.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
             for name, array in ((io.LOGITS, step.logits), (io.GREEDY_TOKENS, step.greedy)):
@@ -228,7 +245,7 @@ class Engine:
 
 @dataclass
 class _StepBuffers:
-    inputs: dict[str, np.ndarray]  # in io.STEP_INPUTS order
+    inputs: dict[str, np.ndarray]  # in io.STEP_INPUTS order (a hybrid's state_slots last)
     logits: np.ndarray
     greedy: np.ndarray | None  # each logits row's argmax, when the graph returns it
     last_of_row: np.ndarray  # b*S - 1 per row: + query_lens is each row's last valid token

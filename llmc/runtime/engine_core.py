@@ -47,7 +47,8 @@ class Plan:
 class EngineCore:
     def __init__(self, engine: Engine, options: RuntimeOptions, tokenizer_file: Path):
         self.engine = engine
-        self.blocks = BlockManager(engine.num_blocks, engine.block_size, options.enable_prefix_caching)
+        self.blocks = BlockManager(engine.num_blocks, engine.block_size, options.enable_prefix_caching,
+                                   getattr(engine, "num_slots", 0))
         self.scheduler = Scheduler(options, self.blocks)
         self.sampler = Sampler()
         self.speculation = make_policy(options, engine, tokenizer_file)
@@ -105,7 +106,7 @@ class EngineCore:
                 n == seq and len(r.token_ids) > r.num_computed_tokens + n for r, n in rows):
             seq += 1
         packed = [Row((r.token_ids[r.num_computed_tokens:] + r.proposal)[:n], r.num_computed_tokens, r.block_table,
-                      len(r.token_ids) - 1) for r, n in rows]
+                      len(r.token_ids) - 1, r.state_slot) for r, n in rows]
         indices = None
         if any(r.proposal for r, _ in rows):  # verifying rows: logits after each of their tokens
             # Plain lists: numpy's per-call cost on these few ints was a tenth of the Python around a

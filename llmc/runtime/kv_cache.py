@@ -7,8 +7,12 @@ same prefix takes them back (a hit); fresh allocations take the least recently f
 evict its hash. Block 0 is the graph's scratch block (padding writes land there) and is never
 handed out.
 
+A hybrid's sequence also holds a slot of the recurrent state pools while it has blocks: taken
+with its first block, given back when it is freed (slot 0 is scratch, as block 0 is). Its state is
+the whole prefix's, not a block's, so a hybrid's blocks are never shared: prefix caching is off.
+
 A sequence (anything with `token_ids`, `block_table`, `num_computed_tokens`,
-`num_hashed_blocks`, `cache_salt`) meets the manager
+`num_hashed_blocks`, `cache_salt`, and for a hybrid `state_slot`) meets the manager
 through five verbs: `allocate_prefix` (take cached blocks for its prompt), `can_append` /
 `append` (grow its table to cover tokens it is about to compute), `commit` (hash blocks that
 have become full), `truncate` (give back the tail a rejected speculation used) and `free`.
@@ -19,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from llmc.contract.graph_io import SCRATCH_BLOCK
+from llmc.contract.graph_io import SCRATCH_BLOCK, SCRATCH_SLOT
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -49,12 +53,15 @@ class _Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, state_slots: int = 0):
         if num_blocks < 2:
             raise ValueError("the pool needs the scratch block and at least one more")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = enable_prefix_caching and not state_slots
+        # A hybrid's free state slots (the scheduler runs at most max_num_seqs, one slot each).
+        self.state_slots = state_slots
+        self._slots = [s for s in range(state_slots - 1, -1, -1) if s != SCRATCH_SLOT]
         self._blocks = [_Block() for _ in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks) if i != SCRATCH_BLOCK)
         self._by_hash: dict[int, int] = {}
@@ -118,6 +125,10 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self._free):
             raise MemoryError(f"need {need} KV blocks, {len(self._free)} free")
+        if self.state_slots and seq.state_slot == SCRATCH_SLOT and need:
+            if not self._slots:
+                raise MemoryError("every state slot is taken: more sequences run than the engine has slots for")
+            seq.state_slot = self._slots.pop()
         for _ in range(need):
             bid, _ = self._free.popitem(last=False)  # least recently freed first
             block = self._blocks[bid]
@@ -151,6 +162,9 @@ class BlockManager:
         self.truncate(seq, 0)
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+        if getattr(seq, "state_slot", SCRATCH_SLOT) != SCRATCH_SLOT:
+            self._slots.append(seq.state_slot)
+            seq.state_slot = SCRATCH_SLOT
 
     def truncate(self, seq, num_tokens: int) -> None:
         """Give back the table's blocks past the first `num_tokens` positions (a rejected

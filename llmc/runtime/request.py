@@ -55,6 +55,7 @@ class Request:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0
+        self.state_slot = 0  # a hybrid's slot in the state pools while it runs (kv_cache.BlockManager)
         self.cache_salt: int | None = None  # see llmc.runtime.kv_cache.chain_hash
         self.status = Status.WAITING
         self.draws = Draws.of(params)

@@ -392,6 +392,9 @@ def make_policy(options, target: Engine, tokenizer_file: Path) -> SpeculationPol
     method = options.speculative
     if method is None:
         return None
+    if target.manifest.states:
+        raise LlmcError(f"speculative decoding does not support {target.spec.architecture} yet: its recurrent "
+                        "layers' state cannot be rolled back past rejected tokens; run without --speculative")
     if target.spec.longrope_boundary is not None:
         raise LlmcError("speculative decoding does not support longrope models yet (their rotation depends on "
                         "the sequence length); run without --speculative")

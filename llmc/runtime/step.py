@@ -22,11 +22,12 @@ class Row:
     past: int
     block_table: list[int]
     pad_position: int | None = None
+    slot: int = io.SCRATCH_SLOT  # a hybrid's state slot
 
 
 def pack(rows: list[Row], seq: int | None = None):
     """The step inputs (input_ids, position_ids, past_lens, query_lens, block_tables) of rows,
-    padded to the longest row (or to `seq`)."""
+    padded to the longest row (or to `seq`); a hybrid's state_slots are not among them."""
     seq = max(len(r.tokens) for r in rows) if seq is None else seq
     inputs = {name: np.empty(dims, io.STEP_INPUTS[name]) for name, dims in (
         (io.INPUT_IDS, (len(rows), seq)), (io.POSITION_IDS, (len(rows), seq)), (io.PAST_LENS, len(rows)),
@@ -43,6 +44,7 @@ def fill(rows: list[Row], inputs: dict[str, np.ndarray], last: np.ndarray | None
     touched costs microseconds then (docs/attention_cpu.md)."""
     ids, positions, past, lens, tables = (inputs[name] for name in (
         io.INPUT_IDS, io.POSITION_IDS, io.PAST_LENS, io.QUERY_LENS, io.BLOCK_TABLES))
+    slots = inputs.get(io.STATE_SLOTS)
     seq, max_width = ids.shape[1], tables.shape[1]
     for i, r in enumerate(rows):
         n, width = len(r.tokens), len(r.block_table)
@@ -54,6 +56,8 @@ def fill(rows: list[Row], inputs: dict[str, np.ndarray], last: np.ndarray | None
             positions[i, :n] = np.arange(r.past, r.past + n)
             positions[i, n:] = r.past + n - 1 if r.pad_position is None else r.pad_position
         tables[i, :width] = r.block_table
+        if slots is not None:
+            slots[i] = r.slot
         if width < max_width:
             tables[i, width:] = io.SCRATCH_BLOCK
         if last is not None:
