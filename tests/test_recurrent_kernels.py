@@ -103,7 +103,7 @@ def test_conv_matches_reference(seq, width, activation, with_state):
 @needs_kernels
 def test_conv_without_bias_and_new_empty_row():
     rng = np.random.default_rng(1)
-    d = _conv_data(rng, 2, 5, 16, 4)
+    d = _conv_data(rng, 2, 5, 16, 5)  # width 5: the kernel's generic weight transpose
     rows = dict(past=_i32([0, 3]), qlen=_i32([0, 5]), slots=_i32([2, 1]))
     y, state = _conv_session(True, rec.ACT_SILU, bias=False).run(
         None, {"x": d["x"], "weight": d["weight"], "state": d["state"], **rows})
@@ -117,9 +117,11 @@ def test_conv_without_bias_and_new_empty_row():
 @needs_kernels
 @pytest.mark.parametrize("seq", [1, 37, 130])
 @pytest.mark.parametrize("with_state", [False, True], ids=["no-state", "pool"])
-def test_delta_matches_reference(seq, with_state):
-    hk, hv, dk, dv = 2, 4, 16, 24
-    rng = np.random.default_rng(seq)
+# dv 24: the plain loops; 80 and 48 (with an odd dk): the register-blocked columns, 64 + 16 and 48
+@pytest.mark.parametrize("dk,dv", [(16, 24), (32, 80), (17, 48)])
+def test_delta_matches_reference(seq, with_state, dk, dv):
+    hk, hv = 2, 4
+    rng = np.random.default_rng(seq + dv)
     d = _delta_data(rng, 3, seq, hk, hv, dk, dv)
     sess = _delta_session(with_state, hk, hv, dk, dv)
     if not with_state:

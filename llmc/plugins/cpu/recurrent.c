@@ -9,6 +9,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#define INLINE static inline __attribute__((always_inline))
+
 const char *llmc_recurrent_check(const llmc_recurrent_rows *r) {
     static _Thread_local char message[200];
     if (r->state_slots == NULL)
@@ -74,6 +76,16 @@ static inline void conv_token(const llmc_conv *c, const float (*wt)[LLMC_CONV_BL
     }
 }
 
+/* wt[j][i] = weight[i, j] for w channels of K taps. A decode step reads each weight once, so this
+ * costs as much as the convolution: with K constant (the models' 3 and 4) it vectorizes. */
+static inline __attribute__((always_inline)) void transpose(const float *restrict weight,
+                                                            float (*restrict wt)[LLMC_CONV_BLOCK], int64_t w,
+                                                            const int64_t K) {
+    for (int64_t i = 0; i < w; i++)
+        for (int64_t j = 0; j < K; j++)
+            wt[j][i] = weight[i * K + j];
+}
+
 LLMC_CLONES
 void llmc_conv_task(const llmc_conv *c, int64_t task) {
     const llmc_recurrent_rows *r = &c->rows;
@@ -83,9 +95,13 @@ void llmc_conv_task(const llmc_conv *c, int64_t task) {
     /* The weight is [C, K]: transposed here, each tap's weights run along the channels as x does. */
     float wt[LLMC_CONV_MAX_WIDTH][LLMC_CONV_BLOCK], bias[LLMC_CONV_BLOCK];
     float window[LLMC_CONV_MAX_WIDTH - 1][LLMC_CONV_BLOCK];
-    for (int64_t j = 0; j < K; j++)
-        for (int64_t i = 0; i < w; i++)
-            wt[j][i] = c->weight[(c0 + i) * K + j];
+    const float *weight = c->weight + c0 * K;
+    if (K == 4)
+        transpose(weight, wt, w, 4);
+    else if (K == 3)
+        transpose(weight, wt, w, 3);
+    else
+        transpose(weight, wt, w, K);
     for (int64_t i = 0; i < w; i++)
         bias[i] = c->bias != NULL ? c->bias[c0 + i] : 0.0f;
     float *slot = c->state != NULL ? c->state + (int64_t)r->state_slots[b] * history * C + c0 : NULL;
@@ -114,7 +130,7 @@ void llmc_conv_task(const llmc_conv *c, int64_t task) {
 int64_t llmc_delta_tasks(const llmc_delta *d) { return d->rows.batch * d->num_v_heads; }
 
 /* out = x * scale / sqrt(sum x^2 + 1e-6): the kernel's q/k L2 norm (FLA's epsilon). */
-static inline void l2_normalize(const float *x, float *out, int64_t n, float scale) {
+INLINE void l2_normalize(const float *x, float *out, int64_t n, float scale) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; i++)
@@ -125,8 +141,50 @@ static inline void l2_normalize(const float *x, float *out, int64_t n, float sca
         out[i] = x[i] * factor;
 }
 
+/* The state passes run along dv: each row of S is dv contiguous floats. Where dv is a multiple of
+ * 16, a pass takes 64 columns at a time and keeps their sums (and delta) in registers over the dk
+ * rows, so S's elements are its only loads and stores; elsewhere plain loops over whole rows. The
+ * passes are always inlined (INLINE) into llmc_delta_task, so they take its clone's vector width. */
+/* f(..., V) for the column blocks of a dv-wide row, dv a multiple of 16: blocks of 4 vectors, then
+ * the rest. */
+#define COLUMN_BLOCKS(dv, f, ...)                                                                  \
+    do {                                                                                           \
+        int64_t j0_ = 0;                                                                           \
+        for (; j0_ + 64 <= (dv); j0_ += 64)                                                        \
+            f(__VA_ARGS__, j0_, 4);                                                                \
+        switch (((dv) - j0_) / 16) {                                                               \
+        case 3: f(__VA_ARGS__, j0_, 3); break;                                                     \
+        case 2: f(__VA_ARGS__, j0_, 2); break;                                                     \
+        case 1: f(__VA_ARGS__, j0_, 1); break;                                                     \
+        default: break;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+/* kv[j0, j0 + 16 V) = k^T S over those columns; even and odd rows sum apart, two chains of FMAs
+ * per vector rather than one. */
+INLINE void read_columns(const float *state, const float *k, float *kv, int64_t dk, int64_t dv, int64_t j0,
+                         const int V) {
+    v16 m[2][4];
+    for (int v = 0; v < V; v++)
+        m[0][v] = m[1][v] = (v16){0};
+    int64_t i = 0;
+    for (; i + 2 <= dk; i += 2)
+        for (int p = 0; p < 2; p++)
+            for (int v = 0; v < V; v++)
+                m[p][v] += k[i + p] * VLOAD(state + (i + p) * dv + j0 + 16 * v);
+    for (; i < dk; i++)
+        for (int v = 0; v < V; v++)
+            m[0][v] += k[i] * VLOAD(state + i * dv + j0 + 16 * v);
+    for (int v = 0; v < V; v++)
+        VSTORE(kv + j0 + 16 * v, m[0][v] + m[1][v]);
+}
+
 /* kv = k^T S over the state's dk rows of dv. */
-static inline void read_state(const float *state, const float *k, float *kv, int64_t dk, int64_t dv) {
+INLINE void read_state(const float *state, const float *k, float *kv, int64_t dk, int64_t dv) {
+    if (dv % 16 == 0) {
+        COLUMN_BLOCKS(dv, read_columns, state, k, kv, dk, dv);
+        return;
+    }
     memset(kv, 0, (size_t)dv * sizeof(float));
     for (int64_t i = 0; i < dk; i++) {
         const float *row = state + i * dv;
@@ -137,10 +195,45 @@ static inline void read_state(const float *state, const float *k, float *kv, int
     }
 }
 
+/* One token's pass over columns [j0, j0 + 16 V) of the state (update_state). */
+INLINE void update_columns(float *state, float decay, const float *k, const float *delta, const float *q,
+                           float *out, const float *next, float *kv, int64_t dk, int64_t dv, int64_t j0,
+                           const int V) {
+    v16 d[4], o[4], m[4];
+    for (int v = 0; v < V; v++) {
+        d[v] = VLOAD(delta + j0 + 16 * v);
+        o[v] = m[v] = (v16){0};
+    }
+    for (int64_t i = 0; i < dk; i++) {
+        float *row = state + i * dv + j0;
+        const float ki = k[i], qi = q[i], ni = next != NULL ? next[i] : 0.0f;
+        for (int v = 0; v < V; v++) {
+            v16 s = decay * VLOAD(row + 16 * v) + ki * d[v];
+            VSTORE(row + 16 * v, s);
+            o[v] += qi * s;
+            if (next != NULL)
+                m[v] += ni * s;
+        }
+    }
+    for (int v = 0; v < V; v++) {
+        VSTORE(out + j0 + 16 * v, o[v]);
+        if (next != NULL)
+            VSTORE(kv + j0 + 16 * v, m[v]);
+    }
+}
+
 /* One token's pass over the state: S = decay S + k delta^T, out = q^T S, and, with a next key,
  * kv = next^T S for the next token. */
-static inline void update_state(float *state, float decay, const float *k, const float *delta, const float *q,
+INLINE void update_state(float *state, float decay, const float *k, const float *delta, const float *q,
                                 float *out, const float *next, float *kv, int64_t dk, int64_t dv) {
+    if (dv % 16 == 0) {
+        /* specialized on whether a next key rides along */
+        if (next != NULL)
+            COLUMN_BLOCKS(dv, update_columns, state, decay, k, delta, q, out, next, kv, dk, dv);
+        else
+            COLUMN_BLOCKS(dv, update_columns, state, decay, k, delta, q, out, NULL, kv, dk, dv);
+        return;
+    }
     memset(out, 0, (size_t)dv * sizeof(float));
     if (next != NULL)
         memset(kv, 0, (size_t)dv * sizeof(float));
