@@ -21,9 +21,11 @@ CPU = "llmc/plugins/cpu/"
 setup(ext_modules=[Extension(
     "llmc.plugins.cpu._cpu_ops",
     # The arithmetic (attention.c .. experts.c, kernels.h), then ORT's custom ops: their glue
-    # (ort_glue.c), compute (ops.c, decoder_layer.c) and DecoderLayer's scheduler (threads.c).
+    # (ort_glue.c), compute (ops.c, decoder_layer.c) and DecoderLayer's scheduler (threads.c);
+    # the recurrent layers' arithmetic (recurrent.c) and ops (recurrent_ops.c).
     sources=[CPU + name for name in ("attention.c", "linear.c", "quant.c", "quantize.c", "experts.c", "ort_glue.c",
-                                     "ops.c", "decoder_layer.c", "threads.c")],
+                                     "ops.c", "decoder_layer.c", "threads.c", "recurrent.c",
+                                     "recurrent_ops.c")],
     depends=[CPU + name for name in ("kernels.h", "simd.h", "ort_abi.h", "ort_glue.h", "ops.h", "threads.h")],
     # -fopenmp-simd honours the `omp simd` loops without linking an OpenMP runtime (ORT owns the
     # threads); -ffp-contract=fast because -std=c11 otherwise forbids fusing `a += x * w` into one

@@ -241,4 +241,71 @@ void llmc_experts_down(const llmc_experts *a, int64_t e, int64_t g0, int64_t g1)
 void llmc_experts_activate(const llmc_experts *a, int64_t r0, int64_t r1);
 void llmc_experts_combine(const llmc_experts *a, int64_t t0, int64_t t1);
 
+/* -- recurrent layers (recurrent.c): llmc.cpu::CausalConv1d and llmc.cpu::GatedDeltaRule --------
+ * Hybrid models' token mixers whose per-sequence state is a fixed-size recurrent state, not a
+ * growing KV cache: LFM2's short convolution and Qwen3.5's Gated DeltaNet (its convolution too).
+ * The state lives in a pool of slots, [slots, ...], that the runtime binds as the op's state
+ * input and state_out output, one buffer updated in place (as PagedAttention's kv_cache); where
+ * the two differ (a plain session.run) the op copies the input over first. Each row b of the
+ * batch brings past_lens[b] (0: the sequence starts here, its slot's old contents are ignored),
+ * query_lens[b] (n, 0 <= n <= S: tokens past n are padding, their outputs 0) and state_slots[b]
+ * (its slot; rows' slots must be distinct). After the call, the row's slot holds its state after
+ * its n tokens (n = 0 keeps the state, or zeros when past_lens[b] is 0). Without a pool (the state
+ * inputs absent) every row starts from zeros and all S tokens are valid.
+ *
+ * CausalConv1d(x [B, S, C], weight [C, K], bias [C]?, state [slots, K - 1, C]?, past_lens [B]?,
+ *              query_lens [B]?, state_slots [B]?) -> y [B, S, C], state_out?; attribute
+ * activation (LLMC_CONV_ACT_*). A depthwise causal Conv1d (HF's conv.weight[:, 0, :]): with
+ * in = the K - 1 inputs before the step (the slot's state, oldest first, or zeros) then
+ * x[b, 0:n], y[b, t, c] = act(bias[c] + sum_j weight[c, j] in[t + j, c]) for t < n, and the slot
+ * keeps in's last K - 1 rows (transformers' causal_conv1d_fn / causal_conv1d_update). Tasks are
+ * (row, block of LLMC_CONV_BLOCK channels), the weights transposed per task so every loop runs
+ * along the channels.
+ *
+ * GatedDeltaRule(q [B, S, Hk, dk], k [B, S, Hk, dk], v [B, S, Hv, dv], g [B, S, Hv], beta [B, S, Hv],
+ *                state [slots, Hv, dk, dv]?, past_lens [B]?, query_lens [B]?, state_slots [B]?)
+ *   -> out [B, S, Hv, dv], state_out?; attributes num_k_heads, num_v_heads, k_head_dim,
+ * v_head_dim (q/k/v may also be [B, S, H * d]). transformers' torch_recurrent_gated_delta_rule
+ * with use_qk_l2norm_in_kernel: value head h reads q/k head h / (Hv / Hk); q and k are scaled by
+ * rsqrt(sum x^2 + 1e-6), q then by dk^-0.5; per valid token, with the state S [dk, dv]:
+ * S *= exp(g); delta = (v - k^T S) beta; S += k delta^T; out = q^T S. Tasks are (row, value
+ * head). Each token is one pass over S: S's decay and update for token t, out_t and the next
+ * token's k^T S accumulate in that same pass (exp(g) scales S's rows as they are updated); the
+ * first token's k^T S takes one more, so a decode step is two passes. */
+enum { LLMC_CONV_ACT_NONE = 0, LLMC_CONV_ACT_SILU = 1 };
+#define LLMC_CONV_MAX_WIDTH 16
+#define LLMC_CONV_BLOCK 128
+#define LLMC_DELTA_MAX_DIM 512
+
+/* A step's rows and their slots in the pool; state_slots NULL: no pool (every row from zeros,
+ * all seq tokens valid). */
+typedef struct {
+    int64_t batch, seq, slots;
+    const int32_t *past_lens, *query_lens, *state_slots;
+} llmc_recurrent_rows;
+/* NULL, or what is wrong with the rows' lengths and slots. */
+const char *llmc_recurrent_check(const llmc_recurrent_rows *r);
+
+typedef struct {
+    llmc_recurrent_rows rows;
+    int64_t channels, width; /* C, K */
+    const float *x, *weight, *bias; /* bias NULL: none */
+    float *y;
+    float *state; /* the pool, [slots, K - 1, C]; NULL without one */
+    int activation;
+} llmc_conv;
+int64_t llmc_conv_tasks(const llmc_conv *c);
+void llmc_conv_task(const llmc_conv *c, int64_t task);
+
+typedef struct {
+    llmc_recurrent_rows rows;
+    int64_t num_k_heads, num_v_heads, k_dim, v_dim;
+    const float *q, *k, *v, *g, *beta;
+    float *out;
+    /* The pool [slots, Hv, dk, dv]; without one, a scratch [B, Hv, dk, dv] (row b in slot b). */
+    float *state;
+} llmc_delta;
+int64_t llmc_delta_tasks(const llmc_delta *d);
+void llmc_delta_task(const llmc_delta *d, int64_t task);
+
 #endif

@@ -111,6 +111,15 @@ typedef struct {
     _Atomic int64_t threads;       /* how many threads the node's last run had */
 } layer_kernel;
 
+/* -- CausalConv1d and GatedDeltaRule (recurrent_ops.c) ------------------------------------------ */
+
+enum { CONV_X, CONV_WEIGHT, CONV_BIAS, CONV_STATE, CONV_PAST, CONV_NUM_IN = CONV_PAST + 3 };
+enum { DELTA_Q, DELTA_K, DELTA_V, DELTA_G, DELTA_BETA, DELTA_STATE, DELTA_PAST, DELTA_NUM_IN = DELTA_PAST + 3 };
+
+typedef struct {
+    int64_t num_k_heads, num_v_heads, k_head_dim, v_head_dim;
+} delta_kernel;
+
 /* -- the ops' compute functions (ORT's KernelComputeV2) ----------------------------------------- */
 
 OrtStatus *attention_compute(void *state, OrtKernelContext *ctx);
@@ -120,5 +129,7 @@ OrtStatus *linear_compute(void *state, OrtKernelContext *ctx);
 OrtStatus *norm_linear_compute(void *state, OrtKernelContext *ctx);
 OrtStatus *swiglu_linear_compute(void *state, OrtKernelContext *ctx);
 OrtStatus *layer_compute(void *state, OrtKernelContext *ctx);
+OrtStatus *conv_compute(void *state, OrtKernelContext *ctx);
+OrtStatus *delta_compute(void *state, OrtKernelContext *ctx);
 
 #endif

@@ -1,6 +1,7 @@
 /* ONNX Runtime custom-op library: domain "llmc.cpu", ops PagedAttention, SwiGLU, PackedMatMul
  * (optionally with each row's argmax), SkipRMSNormMatMul, SwiGLUMatMul, DecoderLayer (a
- * layer's five of them as one node) and Experts (a mixture-of-experts layer's experts).
+ * layer's five of them as one node), Experts (a mixture-of-experts layer's experts) and the
+ * hybrid models' recurrent layers, CausalConv1d and GatedDeltaRule.
  * ORT calls RegisterCustomOps when a session registers this library; the kernels then run on
  * ORT's intra-op thread pool (KernelContext_ParallelFor), so they share its threads and spinning
  * settings instead of bringing threads of their own.
@@ -189,6 +190,41 @@ static OrtStatus *layer_create(const OrtCustomOp *op, const OrtApi *ort, const O
     return new_kernel("DecoderLayer", sizeof(layer_kernel), read_layer, info, kernel_out);
 }
 
+static const char *read_conv(const OrtKernelInfo *info, void *kernel) {
+    int64_t *activation = kernel;
+    read_int(info, "activation", LLMC_CONV_ACT_NONE, activation);
+    return *activation != LLMC_CONV_ACT_NONE && *activation != LLMC_CONV_ACT_SILU
+               ? "attribute activation must be 0 (none) or 1 (SiLU)" : NULL;
+}
+
+static OrtStatus *conv_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
+                              void **kernel_out) {
+    (void)op;
+    (void)ort;
+    return new_kernel("CausalConv1d", sizeof(int64_t), read_conv, info, kernel_out);
+}
+
+static const char *read_delta(const OrtKernelInfo *info, void *kernel) {
+    delta_kernel *k = kernel;
+    read_int(info, "num_k_heads", 0, &k->num_k_heads);
+    read_int(info, "num_v_heads", 0, &k->num_v_heads);
+    read_int(info, "k_head_dim", 0, &k->k_head_dim);
+    read_int(info, "v_head_dim", 0, &k->v_head_dim);
+    if (k->num_k_heads <= 0 || k->num_v_heads <= 0 || k->k_head_dim <= 0 || k->v_head_dim <= 0)
+        return "attributes num_k_heads, num_v_heads, k_head_dim and v_head_dim must be positive";
+    if (k->num_v_heads % k->num_k_heads != 0)
+        return "attribute num_v_heads must be a multiple of num_k_heads";
+    return k->k_head_dim > LLMC_DELTA_MAX_DIM || k->v_head_dim > LLMC_DELTA_MAX_DIM
+               ? "k_head_dim and v_head_dim above 512 are not supported" : NULL;
+}
+
+static OrtStatus *delta_create(const OrtCustomOp *op, const OrtApi *ort, const OrtKernelInfo *info,
+                               void **kernel_out) {
+    (void)op;
+    (void)ort;
+    return new_kernel("GatedDeltaRule", sizeof(delta_kernel), read_delta, info, kernel_out);
+}
+
 static void destroy(void *kernel) { free(kernel); }
 static const char *cpu_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int32_t float_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return ORT_FLOAT; }
@@ -316,7 +352,14 @@ static int32_t experts_input_kind(const OrtCustomOp *op, size_t i) {
     return i >= 5 ? ORT_OPTIONAL : ORT_REQUIRED;
 }
 
-static op_description attention_op, swiglu_op, linear_op, norm_linear_op, swiglu_linear_op, layer_op, experts_op;
+/* The recurrent ops: their lengths and slots are int32, the rest float32; what follows the token
+ * inputs (bias, and the pool with its lengths and slots) optional, as is the pool's output. */
+static int32_t conv_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i >= CONV_PAST ? ORT_INT32 : ORT_FLOAT; }
+static int32_t conv_input_kind(const OrtCustomOp *op, size_t i) { (void)op; return i >= CONV_BIAS ? ORT_OPTIONAL : ORT_REQUIRED; }
+static int32_t delta_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i >= DELTA_PAST ? ORT_INT32 : ORT_FLOAT; }
+static int32_t delta_input_kind(const OrtCustomOp *op, size_t i) { (void)op; return i >= DELTA_STATE ? ORT_OPTIONAL : ORT_REQUIRED; }
+
+static op_description attention_op, swiglu_op, linear_op, norm_linear_op, swiglu_linear_op, layer_op, experts_op, conv_op, delta_op;
 
 EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     api = base->GetApi(LLMC_ORT_API_SHAPE_REF);
@@ -347,6 +390,11 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
         layer_op.op.GetOutputType = layer_output_type;
         layer_op.op.InferOutputShapeFn = layer_infer;
         define(&experts_op, "Experts", experts_create, experts_compute, 7, 1, experts_input_type, experts_input_kind);
+        define(&conv_op, "CausalConv1d", conv_create, conv_compute, CONV_NUM_IN, 2, conv_input_type, conv_input_kind);
+        conv_op.op.GetOutputCharacteristic = linear_output_kind;
+        define(&delta_op, "GatedDeltaRule", delta_create, delta_compute, DELTA_NUM_IN, 2, delta_input_type,
+               delta_input_kind);
+        delta_op.op.GetOutputCharacteristic = linear_output_kind;
     }
 
     OrtCustomOpDomain *domain;
@@ -358,5 +406,7 @@ EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &swiglu_linear_op.op));
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &layer_op.op));
     TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &experts_op.op));
+    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &conv_op.op));
+    TRY(CALL(ORT_CustomOpDomain_Add, ort_domain_add_fn, domain, &delta_op.op));
     return CALL(ORT_AddCustomOpDomain, ort_add_domain_fn, options, domain);
 }
