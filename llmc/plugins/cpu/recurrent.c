@@ -145,6 +145,7 @@ INLINE void l2_normalize(const float *x, float *out, int64_t n, float scale) {
  * 16, a pass takes 64 columns at a time and keeps their sums (and delta) in registers over the dk
  * rows, so S's elements are its only loads and stores; elsewhere plain loops over whole rows. The
  * passes are always inlined (INLINE) into llmc_delta_task, so they take its clone's vector width. */
+
 /* f(..., V) for the column blocks of a dv-wide row, dv a multiple of 16: blocks of 4 vectors, then
  * the rest. */
 #define COLUMN_BLOCKS(dv, f, ...)                                                                  \
