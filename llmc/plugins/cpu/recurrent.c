@@ -282,7 +282,10 @@ void llmc_delta_task(const llmc_delta *d, int64_t task) {
     const float *v_row = d->v + b * S * v_token + h * dv;
     const float *g = d->g + b * S * Hv + h, *beta = d->beta + b * S * Hv + h;
     l2_normalize(k_row, keys[0], dk, 1.0f);
-    read_state(state, keys[0], kv, dk, dv);
+    if (resumes(r, b))
+        read_state(state, keys[0], kv, dk, dv);
+    else  /* a zeroed state reads 0 */
+        memset(kv, 0, (size_t)dv * sizeof(float));
     for (int64_t t = 0; t < n; t++) {
         const float decay = expf(g[t * Hv]), beta_t = beta[t * Hv];
         const float *v = v_row + t * v_token;
