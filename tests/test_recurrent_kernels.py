@@ -286,6 +286,10 @@ def test_bad_inputs_name_the_op():
     assert "llmc.cpu::CausalConv1d: state must be" in _error(sess, {**conv, **rows, "state": conv["state"][:, :1]})
     assert "past_lens, query_lens and state_slots must be int32 [batch]" in _error(
         sess, {**conv, **rows, "past": _i32([0])})
+    no_state_out = _session(rec.CONV_OP, CONV_IN, ["y"], activation=0)
+    assert "a state input needs output 1, state_out" in _error(no_state_out, {**conv, **rows, "slots": _i32([0, 1])})
+    no_pool = _session(rec.CONV_OP, ["x", "weight", "bias", "", "past", "qlen", "slots"], ["y"], activation=0)
+    assert "come with the state input" in _error(no_pool, {n: v for n, v in {**conv, **rows}.items() if n != "state"})
     delta = _delta_data(rng, 2, 3, 1, 2, 4, 4)
     sess = _delta_session(True, 1, 2, 4, 4)
     assert "llmc.cpu::GatedDeltaRule: state_slots[1] is 5" in _error(sess, {**delta, **rows})

@@ -1,14 +1,15 @@
 """llmc.cpu: llmc's CPU kernels, a custom-op library ONNX Runtime loads.
 
-The C sources (attention.c, linear.c, quant.c, experts.c: the arithmetic; ort_glue.c: ORT's
-custom-op ABI, whose few slots it uses are declared in ort_abi.h because the ORT wheel ships no
-headers, and the ops' registration; ops.c, decoder_layer.c: the ops; threads.c: DecoderLayer's
-scheduler) are compiled by setup.py when llmc is installed, as an optional extension: without a C compiler the install
+The C sources (attention.c, linear.c, quant.c, experts.c, recurrent.c: the arithmetic; ort_glue.c:
+ORT's custom-op ABI, whose few slots it uses are declared in ort_abi.h because the ORT wheel ships
+no headers, and the ops' registration; ops.c, decoder_layer.c, recurrent_ops.c: the ops; threads.c:
+DecoderLayer's scheduler) are compiled by setup.py when llmc is installed, as an optional extension: without a C compiler the install
 still succeeds, the passes that target these ops stand aside and engines use standard ONNX ops.
 The library is a plain shared object for ORT's `register_custom_ops_library`, not a Python
 module; the build also calls its quantizer (quantize.c) through ctypes (passes/quantizers.py).
 library.py finds and loads it; host.py sets the tiles this host measured faster in it.
-The ops and their inputs are documented in kernels.h.
+The ops and their inputs are documented in kernels.h; recurrent.py holds the recurrent layers'
+(CausalConv1d, GatedDeltaRule) numpy references.
 """
 
 from __future__ import annotations

@@ -145,6 +145,7 @@ INLINE void l2_normalize(const float *x, float *out, int64_t n, float scale) {
  * 16, a pass takes 64 columns at a time and keeps their sums (and delta) in registers over the dk
  * rows, so S's elements are its only loads and stores; elsewhere plain loops over whole rows. The
  * passes are always inlined (INLINE) into llmc_delta_task, so they take its clone's vector width. */
+
 /* f(..., V) for the column blocks of a dv-wide row, dv a multiple of 16: blocks of 4 vectors, then
  * the rest. */
 #define COLUMN_BLOCKS(dv, f, ...)                                                                  \
@@ -281,7 +282,10 @@ void llmc_delta_task(const llmc_delta *d, int64_t task) {
     const float *v_row = d->v + b * S * v_token + h * dv;
     const float *g = d->g + b * S * Hv + h, *beta = d->beta + b * S * Hv + h;
     l2_normalize(k_row, keys[0], dk, 1.0f);
-    read_state(state, keys[0], kv, dk, dv);
+    if (resumes(r, b))
+        read_state(state, keys[0], kv, dk, dv);
+    else  /* a zeroed state reads 0 */
+        memset(kv, 0, (size_t)dv * sizeof(float));
     for (int64_t t = 0; t < n; t++) {
         const float decay = expf(g[t * Hv]), beta_t = beta[t * Hv];
         const float *v = v_row + t * v_token;
