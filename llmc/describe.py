@@ -31,6 +31,22 @@ def _value(v: Any) -> str:
     return str(v)
 
 
+def _state_rows(m) -> list[str]:
+    """Each state pool, and a sequence's state beside the KV a transformer of its layers would keep."""
+    rows = [f"  {graph_io.state_input(i):<10} layer {s.layer:<3} {s.kind:<5} {list(s.shape)} per slot, "
+            f"{s.slot_bytes / 1024:,.1f} KiB" for i, s in enumerate(m.states)]
+    per_sequence = sum(s.slot_bytes for s in m.states)
+    per_token = m.kv_cache.block_bytes / m.kv_cache.block_size
+    attending = per_token / m.kv_cache.num_layers * m.model_spec.num_layers
+    context = m.max_context
+    return rows + [
+        f"  per sequence  {per_sequence / 2**20:,.2f} MiB of state, whatever its length; KV {per_token / 1024:,.1f} KiB "
+        f"a token in its {m.kv_cache.num_layers} attention layers ({per_token * context / 2**20:,.1f} MiB at "
+        f"{context} tokens)",
+        f"  a transformer of its {m.model_spec.num_layers} layers would keep {attending / 1024:,.1f} KiB a token "
+        f"({attending * context / 2**20:,.1f} MiB at {context} tokens)"]
+
+
 def _rows(d: dict[str, Any]) -> list[str]:
     width = max(len(str(k)) for k in d)
     return [f"  {str(k):<{width}}  {_value(v)}" for k, v in d.items()]
@@ -57,6 +73,8 @@ def describe(manifest: Manifest, engine_dir: str | Path, host_kernels: dict | No
     section("Model spec", _rows(to_json(m.model_spec)))
     pool = "[" + ", ".join(map(str, m.kv_cache.pool_shape(graph_io.NUM_BLOCKS))) + "]"
     section("KV cache", _rows({**to_json(m.kv_cache), "pool shape": pool}))
+    if m.states:
+        section("Recurrent state", _state_rows(m))
     io_lines = []
     for kind, names in (("inputs", m.io.inputs), ("outputs", m.io.outputs)):
         prefix = f"  {f'{kind} ({len(names)})':<14}  "

@@ -38,10 +38,18 @@ def llama_cpp_source(root: Path) -> Path:
     return root / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
 
 
+def gguf_flags(folder: Path) -> tuple[str, ...]:
+    """GGUF_FLAGS, and --no-mtp for a Qwen3.5 checkpoint without multi-token-prediction layers (the
+    converter expects them otherwise: llmc's recipes, like transformers' Qwen3_5ForCausalLM, have none)."""
+    config = json.loads((folder / "config.json").read_text())
+    no_mtp = config.get("model_type") in ("qwen3_5_text", "qwen3_5") and not config.get("mtp_num_hidden_layers")
+    return (*GGUF_FLAGS, *(("--no-mtp",) if no_mtp else ()))
+
+
 def gguf_convert_cmd(python: Path, root: Path, folder: Path, out: Path, outtype: str = "f32") -> list:
-    """llama.cpp's converter on `folder`, through the worker's tokenizer workaround, with GGUF_FLAGS."""
+    """llama.cpp's converter on `folder`, through the worker's tokenizer workaround, with gguf_flags."""
     return [python, WORKER, "convert-gguf", "--src", folder, "--out", out, "--llama-cpp", llama_cpp_source(root),
-            "--outtype", outtype, "--", *GGUF_FLAGS]
+            "--outtype", outtype, "--", *gguf_flags(folder)]
 
 
 def gguf_quantize_cmd(python: Path, src: Path, out: Path, ftype: str) -> list:
@@ -53,7 +61,7 @@ def _gguf_f32(python: Path, root: Path, folder: Path, log: Path) -> tuple[Path, 
     out = root / "models" / folder.name
     out.mkdir(parents=True, exist_ok=True)
     gguf = out / "model-f32.gguf"
-    key = dict(source_key(folder), converter=f"llama-cpp-python {LLAMA_CPP_PYTHON}", flags=list(GGUF_FLAGS))
+    key = dict(source_key(folder), converter=f"llama-cpp-python {LLAMA_CPP_PYTHON}", flags=list(gguf_flags(folder)))
     if read_stamp(out / "gguf.json") != key or not gguf.is_file():
         print(f"setup: converting {folder} to GGUF f32 with llama.cpp's convert_hf_to_gguf.py", flush=True)
         tmp = out / "model-f32.gguf.tmp"

@@ -1,6 +1,7 @@
 """merge-matmuls: MatMuls that read the same activation become one wider MatMul.
 
-Q, K and V read the same normalized hidden state, and so do the MLP's gate and up projections.
+Q, K and V read the same normalized hidden state, and so do the MLP's gate and up projections
+and a Gated DeltaNet layer's four input projections (its q/k/v, output gate, beta and decay).
 One [K, Nq+Nk+Nv] GEMM instead of three streams the activation once, pays one kernel launch and
 thread fork instead of three, and gives the small-M decode GEMMs a wider N to parallelize over.
 A Split hands each consumer its columns back, so nothing downstream changes. Projections with
@@ -105,8 +106,9 @@ class MergeSiblingMatMuls(Rule):
 
 class MergeMatMuls(RulePass):
     name = "merge-matmuls"
-    description = "merge the Q/K/V projections and the gate/up projections into one MatMul each"
+    description = "merge the Q/K/V, the gate/up and a DeltaNet layer's input projections into one MatMul each"
 
     def rules(self, spec: ModelSpec):
         return [MergeSiblingMatMuls(QKV, 3, "Q/K/V projections"),
-                MergeSiblingMatMuls("gate_up_merge", 2, "gate/up projections")]
+                MergeSiblingMatMuls("gate_up_merge", 2, "gate/up projections"),
+                MergeSiblingMatMuls("delta_in_merge", 4, "a Gated DeltaNet layer's input projections")]
