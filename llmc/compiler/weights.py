@@ -230,7 +230,7 @@ class TextModel(Weights):
     def __init__(self, stored: Weights, text_prefix: str, model_prefix: str, skipped: tuple[tuple[str, str], ...]):
         self.stored = stored
         self.renamed: dict[str, str] = {}  # the text model's name -> the stored one
-        self.kept: list[str] = []
+        self.kept: dict[str, None] = {}  # stored as the text model names them (the LM head), in order
         self.skipped: dict[str, tuple[int, int]] = {}  # what -> (tensors, parameters), in `skipped`'s order
         for name in stored.names():
             part = next((what for prefix, what in skipped if name.startswith(prefix)), None)
@@ -240,14 +240,14 @@ class TextModel(Weights):
             elif name.startswith(text_prefix):
                 self.renamed[model_prefix + name[len(text_prefix):]] = name
             else:
-                self.kept.append(name)
+                self.kept[name] = None
         self.skipped = {what: self.skipped[what] for _, what in skipped if what in self.skipped}
 
     def names(self) -> list[str]:
-        return list(self.renamed) + self.kept
+        return [*self.renamed, *self.kept]
 
     def has(self, name: str) -> bool:
-        return name in self.renamed or (name in self.kept and self.stored.has(name))
+        return name in self.renamed or name in self.kept
 
     def _stored(self, name: str) -> str:
         if name in self.renamed:
