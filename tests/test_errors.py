@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmc.cli import main
-from llmc.compiler.frontend import FAMILIES, MISSING_FEATURES
+from llmc.compiler.frontend import FAMILIES, MISSING_FEATURES, WRAPPERS
 from llmc.errors import EngineError, RequestError
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling import SamplingParams
@@ -78,6 +78,9 @@ def test_every_causal_lm_transformers_knows_is_built_or_refused_naming_what_llmc
                if t not in built and cls not in built and t not in MISSING_FEATURES]
     assert not unnamed  # add each to llmc/compiler/unsupported.py with what it lacks, or build it
     assert not {f.model_type for f in FAMILIES} & set(MISSING_FEATURES)
+    # A multimodal wrapper builds its text model, which must be a family, and is not refused.
+    assert {w.text_model_type for w in WRAPPERS.values()} <= {f.model_type for f in FAMILIES}
+    assert not set(WRAPPERS) & set(MISSING_FEATURES)
 
 
 def test_unknown_pass_and_required_pass(tmp_path):

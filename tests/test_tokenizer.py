@@ -306,3 +306,80 @@ def test_gpt_oss_o200k_style_tokenizer_exports_like_transformers(tmp_path):
         ids = hf(text).input_ids
         assert served.decode(ids, skip_special_tokens=False) == hf.decode(ids), text
     assert (export.eos_token, export.pad_token) == ("<|return|>", "<|endoftext|>")
+
+
+# Qwen3.5's pre-tokenizer split (transformers' Qwen3_5Tokenizer): Qwen2's, but a word keeps its
+# combining marks (\p{M}) and punctuation runs stop at them.
+QWEN35_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
+                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN35_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN35_ADDED = ["<think>", "</think>"]  # added, not special: they stay in decoded text
+QWEN35_TEMPLATE = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+                   "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}"
+                   "{%- endif %}")
+QWEN35_TEXTS = ["12345 6789 3.14", "  x   y\t\t\tz\n\n\n w   ", "你好世界，今天天气很好。", "🙂🚀👍🏽 ok", "नमस्ते दुनिया",
+                "e\u0301 cafe\u0301 Ça", "I'M SURE they'll go", "<|im_start|>user\nhi<|im_end|>\n",
+                "<think>\nhmm\n</think>\n\nyes", "a<|endoftext|>b", "Ⅻ ½ ²", "x\u200dy \u00a0 nbsp"]
+
+
+def _qwen35_folder(tmp_path, split: str):
+    """A published Qwen3.5 folder's tokenizer in its format, trained here: byte-level BPE behind
+    `split`, NFC, ChatML's specials, <think> added, no BOS; config.json the multimodal wrapper's."""
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["The quick brown fox jumps over the lazy dog 1234567890 times.", "你好，世界！今天天气很好。",
+              "Ça va? naïve café Straße 🙂🚀 नमस्ते दुनिया", "def f(x):\n    return x ** 2  # squared\n\n",
+              "I'm sure it's fine, isn't it?"] * 3
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=QWEN35_SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN35_ADDED])
+    folder = tmp_path / "model"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    vocab = tok.get_vocab()
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen3_5Tokenizer", "add_prefix_space": False, "bos_token": None, "unk_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "clean_up_tokenization_spaces": False,
+        "errors": "replace", "model_max_length": 262144, "split_special_tokens": False,
+        "added_tokens_decoder": {str(vocab[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                                 "single_word": False, "special": t in QWEN35_SPECIALS}
+                                 for t in QWEN35_SPECIALS + QWEN35_ADDED},
+        "chat_template": QWEN35_TEMPLATE}))
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"],
+                                                    "model_type": "qwen3_5",
+                                                    "text_config": {"model_type": "qwen3_5_text"}}))
+    return folder
+
+
+@pytest.mark.parametrize("split", ["qwen3.5", "qwen2"])
+def test_qwen35_tokenizer_exports_like_transformers(tmp_path, split):
+    """Digits one by one, marks kept in their words, whitespace runs, ChatML and <think> whole: the
+    engine's tokenizer encodes and decodes as transformers' Qwen3_5Tokenizer, also where the folder's
+    tokenizer.json still splits as Qwen2 did (transformers rebuilds the split from its class)."""
+    from transformers import AutoTokenizer
+
+    folder = _qwen35_folder(tmp_path, QWEN35_SPLIT if split == "qwen3.5" else QWEN2_SPLIT)
+    export = export_tokenizer(folder, tmp_path / "out")
+    hf = AutoTokenizer.from_pretrained(folder)
+    assert type(hf).__name__ == export.tokenizer_class == "Qwen3_5Tokenizer"
+    served = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    for text in QWEN35_TEXTS:
+        ids = hf(text).input_ids
+        assert served.encode(text).ids == ids, text
+        for skip in (False, True):
+            assert served.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), text
+    assert [served.decode([i]) for i in served.encode("2024").ids] == ["2", "0", "2", "4"]
+    assert len(served.encode("<think>").ids) == len(served.encode("<|im_end|>").ids) == 1
+    as_stored = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    # The Qwen2 split cuts Devanagari words at their vowel signs; transformers' class does not.
+    assert (as_stored.encode("नमस्ते दुनिया").ids == served.encode("नमस्ते दुनिया").ids) == (split == "qwen3.5")
+    assert (export.eos_token, export.pad_token, export.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
+    assert export.chat_template == QWEN35_TEMPLATE

@@ -55,6 +55,7 @@ class BuildReport:
     peak_rss_mb: float
     parameters: int
     quantized: dict[str, QuantizedTensor] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what of the checkpoint the build left out
 
     def markdown(self, spec: ModelSpec) -> str:
         lines = [
@@ -69,6 +70,8 @@ class BuildReport:
             "|---|---:|---|",
         ]
         lines += [f"| {s.name} | {s.seconds:.2f} | {s.detail} |" for s in self.stages]
+        if self.notes:
+            lines += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]
         lines += ["", "## Passes", "", "| pass | changed | matches | nodes | seconds | max abs diff |",
                   "|---|---|---|---|---:|---:|"]
         for p in self.passes:
@@ -92,6 +95,7 @@ class BuildResult:
     stages: list[StageRecord] = field(default_factory=list)
     peak_rss_mb: float = 0.0
     misses: list[tuple[str, str]] = field(default_factory=list)  # (pass, why a rule did not fire)
+    notes: list[str] = field(default_factory=list)  # what of the checkpoint the build left out
 
 
 Progress = Callable[[str, str, bool], None]  # (stage, message, finished)
@@ -159,6 +163,9 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         t = time.perf_counter()
         say("load", "reading the checkpoint's headers", False)
         hf_model, weights = load_checkpoint(folder, spec)
+        notes = [n for n in [weights.note()] if n]
+        for note in notes:  # a line that stays: the engine is not all of what the folder holds
+            say("load", note, True)
         num_params = sum(p.numel() for p in hf_model.parameters())
         writer.reserve(engine_bytes(spec, options, weights.mxfp4_parameters()))  # or refuse before the export
         stage("load", t, f"{num_params / 1e6:.1f}M parameters")
@@ -223,7 +230,8 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
         _save_generation_config(folder, spec, writer.path / GENERATION_CONFIG)
         stage("save", t)
 
-        report = BuildReport(model_ref, __version__, stages, records, round(peak_rss_mb(), 1), num_params, quantized)
+        report = BuildReport(model_ref, __version__, stages, records, round(peak_rss_mb(), 1), num_params, quantized,
+                             notes)
         (writer.path / "build_report.json").write_text(json.dumps(to_json(report), indent=2))
         (writer.path / "build_report.md").write_text(report.markdown(spec))
         writer.commit(Manifest(
@@ -242,7 +250,7 @@ def build(model_ref: str, output: str | Path, options: BuildOptions | None = Non
             lm_head_tokens=head_tokens,
             states=tuple(StateTensor(s["layer"], s["kind"], tuple(s["shape"])) for s in states_of(model)),
         ))
-    return BuildResult(output, stages, peak_rss_mb(), manager.misses)
+    return BuildResult(output, stages, peak_rss_mb(), manager.misses, notes)
 
 
 # Bytes a stored weight takes per parameter: its value and its block's float16 scale (blocks of 32);

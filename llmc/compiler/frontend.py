@@ -99,6 +99,26 @@ SUPPORTED_ARCHITECTURES = {f.architecture: f for f in FAMILIES}
 _FAMILY_OF_TYPE = {f.model_type: f for f in FAMILIES}  # transformers loads a config without architectures by it
 
 
+@dataclass(frozen=True)
+class Wrapper:
+    """A multimodal model as published around a text model llmc builds: config.json nests the text
+    model's config as text_config and the checkpoint holds its tensors under `text_prefix`, beside
+    parts llmc leaves out (a vision tower, a multi-token-prediction layer). transformers' text class
+    loads such a folder the same way (its conversion mapping's prefix change, its ignored keys)."""
+
+    model_type: str  # config.json's
+    text_model_type: str  # text_config's: a Family's
+    text_prefix: str  # the text model's tensors' names start so in the checkpoint ...
+    model_prefix: str  # ... and so in the text model
+    skipped: tuple[tuple[str, str], ...]  # (a left-out part's tensor prefix, what it is)
+
+
+WRAPPERS = {w.model_type: w for w in (
+    Wrapper("qwen3_5", "qwen3_5_text", "model.language_model.", "model.",
+            (("model.visual.", "the vision tower"), ("mtp.", "the multi-token-prediction layer"))),
+)}
+
+
 def resolve_model(ref: str) -> Path:
     """Return a local HF folder for a recipe name, a folder path or a hub id."""
     from llmc.compiler import recipes
@@ -157,7 +177,30 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 RECURRENT_LAYER_TYPES = ("conv", "linear_attention")
 
 
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config of the model llmc builds: a multimodal wrapper's text_config (as transformers
+    builds its text class from the folder: text_config alone, nothing inherited from the top level
+    but a quantization_config), else config.json's own."""
+    wrapper = WRAPPERS.get(config.get("model_type"))
+    if wrapper is None:
+        return config
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelError(f"config.json is a multimodal {wrapper.model_type} config without a text_config (an object); "
+                         f"llmc builds its text model from text_config: add it, or pass a {wrapper.text_model_type} "
+                         "folder")
+    text = {**text, "model_type": text.get("model_type", wrapper.text_model_type)}
+    if text["model_type"] != wrapper.text_model_type:
+        raise ModelError(f"config.json's text_config names model_type {text['model_type']!r}; a {wrapper.model_type} "
+                         f"model's text model is {wrapper.text_model_type}: fix config.json")
+    text.pop("architectures", None)  # the family is the text model type's
+    if config.get("quantization_config") is not None:
+        text["quantization_config"] = config["quantization_config"]
+    return text
+
+
 def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
+    config = text_config(config)
     archs = config.get("architectures") or []
     family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if family is None and not archs:
@@ -325,8 +368,12 @@ def load_checkpoint(folder: Path, spec: ModelSpec):
 
     if weights.has_safetensors(folder):
         stored = weights.SafetensorsWeights(folder)
+        config = read_config(folder)
+        if (wrapper := WRAPPERS.get(config.get("model_type"))) is not None:
+            stored = weights.TextModel(stored, wrapper.text_prefix, wrapper.model_prefix, wrapper.skipped)
+            _check_tied_head(config, spec, stored, folder)
         if spec.num_experts:
-            stored = weights.with_expert_stacks(stored, read_config(folder)["model_type"])
+            stored = weights.with_expert_stacks(stored, text_config(config)["model_type"])
         implied, held = spec.parameter_count(), stored.parameter_count()
         if implied > 1.25 * held:  # before building a module of that size
             raise ModelError(f"config.json describes a model of {implied:,} parameters but the checkpoint in {folder} "
@@ -337,6 +384,16 @@ def load_checkpoint(folder: Path, spec: ModelSpec):
         return model, stored
     model, _ = _with_llmc_experts(load_hf_model(folder))
     return model, weights.StateDictWeights(model.state_dict())
+
+
+def _check_tied_head(config: dict[str, Any], spec: ModelSpec, stored, folder: Path) -> None:
+    """transformers builds a wrapper's text model from text_config alone, so a checkpoint saved with
+    the embeddings tied at the top level only has no LM head for it (transformers would leave one
+    random): refused naming the fix, not read as a missing tensor."""
+    if config.get("tie_word_embeddings") and not spec.tie_word_embeddings and not stored.has("lm_head.weight"):
+        raise ModelError(f"{folder / 'config.json'} ties the word embeddings (tie_word_embeddings) at its top level "
+                         "but not in text_config, from which the text model is built, and the checkpoint has no "
+                         "lm_head.weight; set text_config's tie_word_embeddings to true")
 
 
 def _with_llmc_experts(model) -> tuple[Any, tuple[bool, bool]]:
@@ -422,6 +479,9 @@ def skeleton_model(folder: Path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+            if config.model_type in WRAPPERS:  # the text model alone, as transformers' text class loads it
+                config = config.get_text_config(decoder=True)
+                config._name_or_path = str(folder)
             # A released quantization (MXFP4 experts) is read from the checkpoint as it is
             # (weights.KernelLayout); the module is the float model that the values mean.
             config.quantization_config = None

@@ -119,8 +119,6 @@ MISSING_FEATURES: dict[str, tuple[str, str]] = {
     "minimax": ("MiniMaxForCausalLM", "linear (lightning) attention layers and its form of mixture-of-experts layers"),
     "nemotron_h": ("NemotronHForCausalLM", "state-space (Mamba-2) layers and its form of mixture-of-experts layers"),
     "olmo_hybrid": ("OlmoHybridForCausalLM", "gated delta net (linear attention) layers"),
-    "qwen3_5": ("Qwen3_5ForConditionalGeneration",
-                "a reader for the multimodal checkpoint's text model (a folder of model_type qwen3_5_text builds)"),
     "qwen3_5_moe": ("Qwen3_5MoeForCausalLM",
                     "gated delta net (linear attention) layers, gated attention and its form of mixture-of-experts layers"),
     "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM",

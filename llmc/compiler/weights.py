@@ -69,6 +69,10 @@ class Weights:
         """The weights the checkpoint stores in MXFP4 stacks (which an engine keeps so)."""
         return 0
 
+    def note(self) -> str | None:
+        """One line for the build's progress on what of the checkpoint it leaves out (TextModel)."""
+        return None
+
 
 class SafetensorsWeights(Weights):
     def __init__(self, folder: Path):
@@ -217,6 +221,60 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
     return tensors
 
 
+class TextModel(Weights):
+    """A multimodal checkpoint's text model (frontend.Wrapper): `<text_prefix>X` read as
+    `<model_prefix>X`, the parts llmc leaves out (`skipped`: tensor prefix -> what it is) hidden and
+    counted, for the build's note and so the size check counts the text model alone; every other
+    tensor (the LM head) as stored."""
+
+    def __init__(self, stored: Weights, text_prefix: str, model_prefix: str, skipped: tuple[tuple[str, str], ...]):
+        self.stored = stored
+        self.renamed: dict[str, str] = {}  # the text model's name -> the stored one
+        self.kept: dict[str, None] = {}  # stored as the text model names them (the LM head), in order
+        self.skipped: dict[str, tuple[int, int]] = {}  # what -> (tensors, parameters), in `skipped`'s order
+        for name in stored.names():
+            part = next((what for prefix, what in skipped if name.startswith(prefix)), None)
+            if part is not None:
+                tensors, parameters = self.skipped.get(part, (0, 0))
+                self.skipped[part] = tensors + 1, parameters + int(np.prod(stored.shape(name), dtype=np.int64))
+            elif name.startswith(text_prefix):
+                self.renamed[model_prefix + name[len(text_prefix):]] = name
+            else:
+                self.kept[name] = None
+        self.skipped = {what: self.skipped[what] for _, what in skipped if what in self.skipped}
+
+    def names(self) -> list[str]:
+        return [*self.renamed, *self.kept]
+
+    def has(self, name: str) -> bool:
+        return name in self.renamed or name in self.kept
+
+    def _stored(self, name: str) -> str:
+        if name in self.renamed:
+            return self.renamed[name]
+        if name in self.kept:
+            return name
+        raise KeyError(name)  # a left-out part's tensor, or one under the text model's name only
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.stored.shape(self._stored(name))
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self.stored.read(self._stored(name), start, stop)
+
+    def parameter_count(self) -> int:
+        return self.stored.parameter_count() - sum(p for _, p in self.skipped.values())
+
+    def note(self) -> str | None:
+        """One line on what the build leaves out, or None where the checkpoint holds the text model alone."""
+        if not self.skipped:
+            return None
+        parts = [f"{what} ({tensors} tensor{'s' * (tensors != 1)}, {parameters:,} parameters)"
+                 for what, (tensors, parameters) in self.skipped.items()]
+        listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+        return f"skipping {listed}: llmc builds the text model"
+
+
 class ExpertStacks(Weights):
     """A mixture-of-experts checkpoint as transformers 5 names its parameters: each layer's experts
     stacked, `experts.gate_up_proj` [E, 2 inter, hidden] (gate rows, then up rows) and
@@ -275,6 +333,9 @@ class ExpertStacks(Weights):
     def parameter_count(self) -> int:
         return self.stored.parameter_count()
 
+    def note(self) -> str | None:
+        return self.stored.note()
+
     def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         if name not in self.stacks:
             return self.stored.read(self.renamed.get(name, name), start, stop)
@@ -325,6 +386,9 @@ class KernelLayout(Weights):
 
     def parameter_count(self) -> int:
         return self.stored.parameter_count()
+
+    def note(self) -> str | None:
+        return self.stored.note()
 
     def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         from llmc.compiler.experts import to_kernel_layout
