@@ -101,11 +101,14 @@ CASES = {
     "decode-all-heads-window-block-8": dict(seq=1, past=(90, 40, 7, 0, 33, 8, 15, 64), qlen=(1,) * 8, heads=6,
                                             kv_heads=2, head_dim=32, block=8, window=21),
     "prefill-all-heads": dict(seq=40, past=(0, 20, 5), qlen=(40, 33, 12), heads=6, kv_heads=2, head_dim=16, block=16),
-    # Gemma's shapes: head_dim 256 (no specialized loop), a window and Gemma 2's softcap.
+    # Gemma's shapes: head_dim 256, a window and Gemma 2's softcap.
     "decode-head-dim-256-window-softcap": dict(seq=1, past=(70, 9), qlen=(1, 1), heads=4, kv_heads=1, head_dim=256,
                                                block=16, window=33, softcap=1.5),
     "prefill-head-dim-256-window-softcap": dict(seq=19, past=(0, 30), qlen=(19, 7), heads=4, kv_heads=2,
                                                 head_dim=256, block=16, window=12, softcap=1.5),
+    # Qwen3.5's attention layers: GQA groups of 4 heads of 256, a long row split across tasks.
+    "decode-gqa-head-dim-256-split": dict(seq=1, past=(300, 40), qlen=(1, 1), heads=8, kv_heads=2, head_dim=256,
+                                          block=16),
     # QK-norm (Qwen3, Gemma 3): each query and key head RMS-normalized before its rotation.
     "qk-norm": dict(qk_norm=True),
     "decode-qk-norm-head-dim-128": dict(seq=1, past=(40, 3), qlen=(1, 1), heads=8, kv_heads=2, head_dim=128,

@@ -28,7 +28,8 @@ MAIN_CASES = ("decode-gqa", "ragged-prefill-with-past", "long-prefill-chunk", "s
               "no-rope", "unpacked", "decode-all-heads", "prefill-head-dim-128-block-16",
               "decode-head-dim-48-block-8", "decode-few-rows-window", "decode-head-dim-6-block-16",
               "decode-split", "decode-split-uneven-rows", "decode-split-window-softcap", "decode-head-pairs",
-              "decode-mha-head-dim-128", "prefill-head-dim-16-block-16", "decode-head-dim-256-window-softcap")
+              "decode-mha-head-dim-128", "prefill-head-dim-16-block-16", "decode-head-dim-256-window-softcap",
+              "prefill-head-dim-256-window-softcap", "decode-gqa-head-dim-256-split")
 # int8 tiles of 3 * (6 + 4) = 30 bytes: the scales lie unaligned in the pool
 ODD_TILES = {"seq": 4, "past": (5, 0), "qlen": (4, 3), "heads": 4, "kv_heads": 2, "head_dim": 6, "block": 3,
              "rotary": 0}

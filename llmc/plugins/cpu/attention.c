@@ -550,7 +550,7 @@ static inline __attribute__((always_inline)) AVX2_TARGET void weigh_values_in_pl
     }
 }
 
-/* Rows in groups that fill the registers, for 16-key tiles and d a multiple of 16 up to 128. */
+/* Rows in groups that fill the registers, for 16-key tiles and d a multiple of 16 up to 256. */
 static inline __attribute__((always_inline)) AVX2_TARGET void score_rows_in_place(
     const float *restrict q, const char *restrict kt, float *restrict s, int64_t rows, const int64_t d,
     const int type, const char *next) {
@@ -597,6 +597,8 @@ static inline __attribute__((always_inline)) AVX2_TARGET void weigh_rows_in_plac
             call(64, type);          \
         else if (d == 128)           \
             call(128, type);         \
+        else if (d == 256)           \
+            call(256, type);         \
         else                         \
             call(d, type);           \
     } while (0)
@@ -671,7 +673,10 @@ static inline __attribute__((always_inline)) void weigh_rows(float *restrict acc
                                                              const float *restrict vb, int64_t rows, int64_t n,
                                                              const int64_t d, const int64_t bs, const float *next) {
     int64_t r = 0;
-    if (d % 16 == 0 && d <= 128) {  /* up to 4 rows of 64 or 2 of 128: <= 16 accumulator registers */
+    if (d == 256) {  /* a row of 256 is 16 accumulator registers: one row a pass */
+        for (; r < rows; r++)
+            weigh_values(acc + r * d, w + r * bs, bs, vb, d, n, d, 1, next);
+    } else if (d % 16 == 0 && d <= 128) {  /* up to 4 rows of 64 or 2 of 128: <= 16 accumulator registers */
         for (; r + (d <= 64 ? 4 : 2) <= rows; r += d <= 64 ? 4 : 2)
             weigh_values(acc + r * d, w + r * bs, bs, vb, d, n, d, d <= 64 ? 4 : 2, next);
         if (rows - r == 3)  /* a decode task's GQA group of 3 heads */
@@ -810,7 +815,7 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
     /* task_avx2 reads 16-key tiles in place (score_in_place, weigh_in_place); the rest the
      * portable loops, a converted pool's tiles widened first. */
 #ifdef LLMC_X86
-    const int in_place = avx2 && bs == 16 && d % 16 == 0 && d <= 128;
+    const int in_place = avx2 && bs == 16 && d % 16 == 0 && d <= 256;
 #else
     const int in_place = 0;
 #endif
@@ -855,7 +860,7 @@ static inline __attribute__((always_inline)) void attend(const llmc_attention *a
          * line per line they read, spread over the block's arithmetic: fetching whole tiles at
          * once fills the core's miss buffers and stalls that arithmetic until they land
          * (docs/attention_cpu.md). Other shapes fetch at once. */
-        int spread = bs == 16 && d % 16 == 0 && d <= 128;
+        int spread = bs == 16 && d % 16 == 0 && d <= 256;
         int64_t tile_floats = bs * d, run = kv_count * tile_floats;  /* the task's tiles of a block */
 #define TILE(t) ((const float *)a->cache + ((int64_t)table[(t) / bs] * hkv + kvh) * tile_floats)
         int64_t run_bytes = run * (int64_t)sizeof(float), plane_bytes = plane * (int64_t)sizeof(float);
@@ -972,6 +977,8 @@ static void task_converted(const llmc_attention *a, int64_t task) {
         attend(a, task, 64, 16, 1, 0);
     else if (a->block_size == 16 && a->head_dim == 128)
         attend(a, task, 128, 16, 1, 0);
+    else if (a->block_size == 16 && a->head_dim == 256)
+        attend(a, task, 256, 16, 1, 0);
     else
         attend(a, task, a->head_dim, a->block_size, 1, 0);
 }
@@ -987,6 +994,8 @@ static void task_vec(const llmc_attention *a, int64_t task) {
         attend(a, task, 64, 16, 0, 0);
     else if (a->block_size == 16 && a->head_dim == 128)
         attend(a, task, 128, 16, 0, 0);
+    else if (a->block_size == 16 && a->head_dim == 256)
+        attend(a, task, 256, 16, 0, 0);
     else
         attend(a, task, a->head_dim, a->block_size, 0, 0);
 }
@@ -1013,6 +1022,11 @@ __attribute__((target("avx2,fma,f16c"))) static void task_avx2(const llmc_attent
             attend(a, task, 128, 16, 1, 1);
         else
             attend(a, task, 128, 16, 0, 1);
+    } else if (a->block_size == 16 && a->head_dim == 256) {
+        if (converted)
+            attend(a, task, 256, 16, 1, 1);
+        else
+            attend(a, task, 256, 16, 0, 1);
     } else if (converted) {
         attend(a, task, a->head_dim, a->block_size, 1, 1);
     } else {
