@@ -64,7 +64,7 @@ def test_the_pipeline_is_one_phased_list_built_from_the_options():
         ("canonicalize", ["cleanup", "native-gqa", "lm-head-scale", "rope-forms"]),
         ("fuse", ["merge-matmuls"]),
         ("quantize", []),
-        ("rewrite KV I/O", ["paged-kv-cache", "logits-indices"]),
+        ("rewrite KV I/O", ["paged-kv-cache", "recurrent-state", "logits-indices"]),
         ("backend kernels", ["ort-fusions", "cpu-kernels", "rotary-tables"]),
         ("lower", ["ort-lower"]),
         ("layout", ["simplify-layout"]),
@@ -80,7 +80,7 @@ def test_the_pipeline_is_one_phased_list_built_from_the_options():
         "lossless-weights", "greedy-tokens", "decoder-layers"]
     with pytest.raises(LlmcError, match="unknown pass 'nope'"):
         pipeline(BuildOptions(disable_passes=("nope",)))
-    for required in ("paged-kv-cache", "logits-indices", "ort-lower"):  # the contract's graph I/O needs them
+    for required in ("paged-kv-cache", "recurrent-state", "logits-indices", "ort-lower"):  # the contract's graph I/O needs them
         with pytest.raises(LlmcError, match="cannot be disabled"):
             pipeline(BuildOptions(disable_passes=(required,)))
 

@@ -49,7 +49,7 @@ def lowered(request, exported):
 def test_the_tensorrt_pipeline_shares_the_first_phases_then_lowers_for_tensorrt():
     names = [(ph.name, [p.name for p in ph.passes]) for ph in phases(BuildOptions(backend="tensorrt"))]
     assert names == [("canonicalize", ["cleanup", "native-gqa", "lm-head-scale", "rope-forms"]), ("fuse", ["merge-matmuls"]), ("quantize", []),
-                     ("rewrite KV I/O", ["paged-kv-cache", "logits-indices"]), ("lower", ["trt-plugin"]),
+                     ("rewrite KV I/O", ["paged-kv-cache", "recurrent-state", "logits-indices"]), ("lower", ["trt-plugin"]),
                      ("precision", ["trt-precision"])]
     quantized = phases(BuildOptions(backend="tensorrt", quant="int4"))
     assert [p.name for p in quantized[2].passes] == ["quantize-weights"]
