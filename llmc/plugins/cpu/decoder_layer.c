@@ -185,8 +185,7 @@ OrtStatus *layer_compute(void *state, OrtKernelContext *ctx) {
     layer_kernel *kernel = state;
     const char *op = "DecoderLayer";
     tensor t[L_NUM_IN];
-    for (size_t i = 0; i < L_NUM_IN; i++)
-        TRY(input(ctx, i, &t[i]));
+    TRY(inputs(ctx, t, L_NUM_IN));
     const tensor *x = &t[L_X];
     if (x->type != ORT_FLOAT || x->rank != 3)
         return error(op, "x must be float32 [batch, seq, hidden]");

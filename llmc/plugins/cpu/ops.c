@@ -168,8 +168,7 @@ OrtStatus *attention_pool(OrtKernelContext *ctx, const tensor *cache, size_t ind
 OrtStatus *attention_compute(void *state, OrtKernelContext *ctx) {
     const char *op = "PagedAttention";
     tensor t[NUM_IN];
-    for (size_t i = 0; i < NUM_IN; i++)
-        TRY(input(ctx, i, &t[i]));
+    TRY(inputs(ctx, t, NUM_IN));
     float *q_data;
     TRY(data(t[IN_Q].value, (void **)&q_data));
     llmc_attention a;

@@ -77,6 +77,13 @@ static inline OrtStatus *input(OrtKernelContext *ctx, size_t index, tensor *t) {
     return status;
 }
 
+/* The node's first `count` inputs into t[0 .. count). */
+static inline OrtStatus *inputs(OrtKernelContext *ctx, tensor *t, size_t count) {
+    for (size_t i = 0; i < count; i++)
+        TRY(input(ctx, i, &t[i]));
+    return NULL;
+}
+
 /* Output `index`, allocated by ORT with these dims, and its data. */
 static inline OrtStatus *output(OrtKernelContext *ctx, size_t index, const int64_t *dims, size_t rank, void **out) {
     OrtValue *value;

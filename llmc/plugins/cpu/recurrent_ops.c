@@ -91,8 +91,7 @@ static OrtStatus *conv_shapes(const char *op, const tensor t[CONV_NUM_IN], llmc_
 OrtStatus *conv_compute(void *state, OrtKernelContext *ctx) {
     const char *op = "CausalConv1d";
     tensor t[CONV_NUM_IN];
-    for (size_t i = 0; i < CONV_NUM_IN; i++)
-        TRY(input(ctx, i, &t[i]));
+    TRY(inputs(ctx, t, CONV_NUM_IN));
     llmc_conv c = {.activation = (int)*(const int64_t *)state};
     TRY(conv_shapes(op, t, &c));
     TRY(rows_setup(ctx, op, &t[CONV_STATE], CONV_PAST, &c.rows));
@@ -140,8 +139,7 @@ static OrtStatus *delta_shapes(const char *op, const delta_kernel *k, const tens
 OrtStatus *delta_compute(void *state, OrtKernelContext *ctx) {
     const char *op = "GatedDeltaRule";
     tensor t[DELTA_NUM_IN];
-    for (size_t i = 0; i < DELTA_NUM_IN; i++)
-        TRY(input(ctx, i, &t[i]));
+    TRY(inputs(ctx, t, DELTA_NUM_IN));
     llmc_delta d = {0};
     TRY(delta_shapes(op, state, t, &d));
     TRY(rows_setup(ctx, op, &t[DELTA_STATE], DELTA_PAST, &d.rows));
