@@ -349,9 +349,6 @@ def _check_recurrent(options: BuildOptions, spec: ModelSpec) -> None:
                         "build it with --backend onnxruntime")
     if (missing := kernel_library_missing()) is not None:
         raise LlmcError(f"{spec.architecture}'s {' and '.join(kinds)} layers run on llmc's CPU kernels: {missing}")
-    if options.verify:
-        raise LlmcError(f"--verify does not yet cover a hybrid's recurrent state ({spec.architecture}); "
-                        "build without --verify")
 
 
 def _check_quantization(options: BuildOptions, spec: ModelSpec, passes) -> None:

@@ -10,6 +10,9 @@ scenario both can express:
   written cache blocks are compared.
 Every paged step asks for the logits of all its valid tokens, in a shuffled order
 (`logits_indices`); a graph without that input returns [B, S, V], which is gathered the same way.
+A hybrid's graph with state pools (recurrent-state) carries them from step to step as it carries
+its cache, its rows in slots 1 and 2; a graph gaining them is compared on the prefill only, which
+a graph without them computes alike (from zero states, over whole rows).
 """
 
 from __future__ import annotations
@@ -53,6 +56,14 @@ def _input_names(model: ir.Model) -> set[str]:
 
 def _is_paged(model: ir.Model) -> bool:
     return io.BLOCK_TABLES in _input_names(model)
+
+
+def _state_feeds(model: ir.Model, batch: int) -> dict[str, np.ndarray]:
+    """Zeroed state pools (slot 0 scratch, rows in slots 1..batch) and state_slots, where the graph
+    takes them; {} for one without."""
+    pools = {v.name: np.zeros((batch + 1, *v.shape[1:]), np.float32)
+             for v in model.graph.inputs if io.is_state(v.name)}
+    return {io.STATE_SLOTS: np.arange(1, batch + 1, dtype=np.int32), **pools} if pools else {}
 
 
 def _kv_dtype(model: ir.Model) -> str:
@@ -126,8 +137,8 @@ class _PagedScenario:
         self.tables = perm.reshape(2, self.max_blocks)
         self.pool_dims = (num_blocks, self.bs, spec.num_kv_heads, spec.head_dim)
         self.vocab = spec.vocab_size
-        self.num_layers = spec.num_layers
-        self.caches = io.caches(spec.num_layers)
+        self.num_layers = len(spec.attention_layers)  # a hybrid's recurrent layers have no pool
+        self.caches = io.caches(self.num_layers)
 
     def empty_caches(self, layout: str, dtype: str = "fp32") -> dict[str, np.ndarray]:
         shape = kv_layout.pool_shape(layout, *self.pool_dims, dtype)
@@ -190,11 +201,17 @@ def compare(before: ir.Model, after: ir.Model, spec: ModelSpec, block_size: int,
         layouts = [kv_layout.of_model(before), kv_layout.of_model(after)]
         dtypes = [_kv_dtype(before), _kv_dtype(after)]
         caches = [scenario.empty_caches(layout, dtype) for layout, dtype in zip(layouts, dtypes)]
-        for feeds in scenario.steps():
+        states = [_state_feeds(model, len(scenario.prompt_lens)) for model in (before, after)]
+        gains_state = bool(states[1]) and not states[0]
+        for step, feeds in enumerate(scenario.steps()):
+            if gains_state and step > 0:
+                break  # the graph before has no state to carry into a decode step
             outs = []
             for k, sess in enumerate((s_before, s_after)):
-                out = _run(sess, {**feeds, **caches[k]})
+                out = _run(sess, {**feeds, **caches[k], **states[k]})
                 caches[k] = {cache_in: out[cache_out] for cache_in, cache_out in scenario.caches}
+                pools = sum(map(io.is_state, states[k]))
+                states[k].update({io.state_input(i): out[io.state_output(i)] for i in range(pools)})
                 outs.append(_chosen(out[io.LOGITS], feeds))
             diffs.append(float(np.abs(outs[0] - outs[1]).max()))
         for name in caches[0]:  # compared token-major, but for the scratch block padding writes in any order
