@@ -253,3 +253,8 @@ def test_embeddings_tied_only_at_the_top_level_are_refused_naming_the_fix(publis
     assert not spec.tie_word_embeddings  # as transformers' Qwen3_5ForCausalLM reads the folder
     with pytest.raises(ModelError, match="set text_config's tie_word_embeddings to true"):
         load_checkpoint(tmp_path, spec)
+
+
+def test_a_hybrid_draft_is_refused_in_one_line(engines, llama_engine):
+    with pytest.raises(LlmcError, match="is a hybrid .* use a transformer as the draft"):
+        LLM(llama_engine, speculative=str(_engine(engines, "tiny-lfm2")))

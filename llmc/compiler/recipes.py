@@ -204,8 +204,8 @@ def _reinit(model, init_std: float, gen) -> None:
                     p.copy_(-3.0 + 0.5 * torch.randn(p.shape, generator=gen))
                 elif is_norm:
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-                elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d)) or hasattr(module, "top_k") or (
-                        hasattr(module, "gate_up_proj")):  # a MoE router's weight; an experts module's stacks
+                elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d)) or hasattr(
+                        module, "top_k") or hasattr(module, "gate_up_proj"):  # a MoE router; an experts module's stacks
                     p.normal_(0.0, init_std, generator=gen)
                 else:
                     raise RuntimeError(

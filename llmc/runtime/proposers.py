@@ -91,6 +91,9 @@ class DraftProposer:
         if files.tokenizer.read_bytes() != tokenizer_file.read_bytes():
             raise LlmcError(f"draft engine {path} has another tokenizer than the target's; a draft must share "
                             "the target's tokenizer (build both from models trained with one)")
+        if files.manifest.states:
+            raise LlmcError(f"draft engine {path} is a hybrid ({files.manifest.model_spec.architecture}), whose "
+                            "recurrent state cannot be rolled back past rejected tokens; use a transformer as the draft")
         if files.manifest.model_spec.vocab_size != target.spec.vocab_size:
             raise LlmcError(f"draft engine {path} has a vocabulary of {files.manifest.model_spec.vocab_size} "
                             f"tokens, the target {target.spec.vocab_size}; they must match")
