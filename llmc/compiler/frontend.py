@@ -174,7 +174,6 @@ def read_config(folder: Path) -> dict[str, Any]:
 # dynamic: see llmc.compiler.rope).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-RECURRENT_LAYER_TYPES = ("conv", "linear_attention")
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -237,9 +236,8 @@ def model_spec_from_config(config: dict[str, Any]) -> ModelSpec:
     derived = _transformers_config(config)
     rope_theta, rope_scaling, local_theta = _rope(derived)
     window, layer_types = _windows(derived, family, config["num_hidden_layers"])
-    if family.recurrent:
+    if family.recurrent:  # config.json's list, checked above, or the one transformers derives
         layer_types = tuple(derived.layer_types)
-        _check_layer_types(list(layer_types), config["num_hidden_layers"], kinds)
     return ModelSpec(
         family=family.name,
         architecture=family.architecture,

@@ -106,7 +106,8 @@ class Engine:
         self.num_slots = options.max_num_seqs + 1 if manifest.states else 0
         self._states = []
         for state in manifest.states:
-            pool = np.zeros((self.num_slots, *state.shape), np.float32)
+            pool = np.empty((self.num_slots, *state.shape), np.float32)
+            pool.fill(0)  # touched now, as the KV pools are, not on a request's first step
             self._states.append((pool, ort.OrtValue.ortvalue_from_numpy(pool)))
         self._steps: dict[tuple[int, int, int, int], _StepBuffers] = {}
         self._last: _StepBuffers | None = None  # the step last run

@@ -162,7 +162,7 @@ class BlockManager:
         self.truncate(seq, 0)
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
-        if getattr(seq, "state_slot", SCRATCH_SLOT) != SCRATCH_SLOT:
+        if self.state_slots and seq.state_slot != SCRATCH_SLOT:
             self._slots.append(seq.state_slot)
             seq.state_slot = SCRATCH_SLOT
 
