@@ -54,6 +54,8 @@ BATCH, SEQ, MAX_BLOCKS, NUM_BLOCKS, NUM_LOGITS = "batch", "seq", "max_blocks", "
 NUM_SLOTS = "num_slots"
 STEP_SHAPES = {INPUT_IDS: (BATCH, SEQ), POSITION_IDS: (BATCH, SEQ), PAST_LENS: (BATCH,), QUERY_LENS: (BATCH,),
                BLOCK_TABLES: (BATCH, MAX_BLOCKS), LOGITS_INDICES: (NUM_LOGITS,)}
+# A hybrid's graph also takes each row's state slot (after the pools).
+STATE_SLOTS_TYPE, STATE_SLOTS_SHAPE = "int32", (BATCH,)
 
 
 def cache_input(layer: int) -> str:

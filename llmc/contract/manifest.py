@@ -253,7 +253,7 @@ class Manifest:
         for cache_in, cache_out in self.io.caches():
             inputs[cache_in] = outputs[cache_out] = pool
         if self.states:
-            inputs[graph_io.STATE_SLOTS] = TensorType("int32", (graph_io.BATCH,))
+            inputs[graph_io.STATE_SLOTS] = TensorType(graph_io.STATE_SLOTS_TYPE, graph_io.STATE_SLOTS_SHAPE)
         for i, ((state_in, state_out), state) in enumerate(zip(self.io.states(), self.states)):
             inputs[state_in] = outputs[state_out] = TensorType(
                 "float32", (graph_io.NUM_SLOTS, *state.shape), (None, *[f"states[{i}].shape"] * len(state.shape)))

@@ -38,7 +38,7 @@ class GatherBeforeLMHead(Rule):
 
     def rewrite(self, op, m):
         width = m.hidden.shape[2]
-        indices = op.graph_input(io.LOGITS_INDICES, ir.DataType.INT64, io.STEP_SHAPES[io.LOGITS_INDICES])
+        indices = op.step_input(io.LOGITS_INDICES)
         # Gathered before the head, not after: the head then computes N rows and writes [N, V]
         # straight into the bound logits buffer.
         picked = op.Gather(op.Reshape(m.hidden, op.const([-1, width])), indices, axis=0)  # [N, H]

@@ -24,7 +24,6 @@ from llmc.passes.graph import producer
 from llmc.passes.rewrite import Rule, RulePass
 from llmc.plugins import paged_attention as pa
 
-I32 = ir.DataType.INT32
 
 
 class AttentionToPaged(Rule):
@@ -61,9 +60,8 @@ class AttentionToPaged(Rule):
             scale=node.attributes.get_float("scale", 1.0 / math.sqrt(spec.head_dim)),
             sliding_window=spec.window(spec.attention_layers[layer]), softcap=node.attributes.get_float("softcap", 0.0))
         out, cache_out = op.op(
-            pa.OP_TYPE, m.q, m.k, m.v, cache, op.graph_input(io.PAST_LENS, I32, [io.BATCH]),
-            op.graph_input(io.QUERY_LENS, I32, [io.BATCH]),
-            op.graph_input(io.BLOCK_TABLES, I32, [io.BATCH, io.MAX_BLOCKS]), *node.inputs[4:5] if self.sinks else (),
+            pa.OP_TYPE, m.q, m.k, m.v, cache, op.step_input(io.PAST_LENS), op.step_input(io.QUERY_LENS),
+            op.step_input(io.BLOCK_TABLES), *node.inputs[4:5] if self.sinks else (),
             domain=pa.DOMAIN, num_outputs=2, **attrs.as_dict())
         cache_out.type, cache_out.shape = cache.type, cache.shape
         op.graph_output(cache_out, io.cache_output(layer))

@@ -22,7 +22,6 @@ from llmc.passes.rewrite import Rule, RulePass
 from llmc.plugins import cpu
 from llmc.plugins.cpu import recurrent as ops
 
-I32 = ir.DataType.INT32
 METADATA_KEY = "llmc.recurrent_state"  # JSON: [{"layer", "kind", "shape"}] per state pool
 
 
@@ -60,9 +59,8 @@ class StatefulOp(Rule):
         pool = op.graph_input(io.state_input(index), ir.DataType.FLOAT, [io.NUM_SLOTS, *shape])
         width = 3 if self.op_type == ops.CONV_OP else 5
         inputs = [*node.inputs, *[None] * (width - len(node.inputs))]
-        out, pool_out = op.like(node, *inputs, pool, op.graph_input(io.PAST_LENS, I32, [io.BATCH]),
-                                op.graph_input(io.QUERY_LENS, I32, [io.BATCH]),
-                                op.graph_input(io.STATE_SLOTS, I32, [io.BATCH]), num_outputs=2)
+        out, pool_out = op.like(node, *inputs, pool, *map(op.step_input, (io.PAST_LENS, io.QUERY_LENS, io.STATE_SLOTS)),
+                                num_outputs=2)
         pool_out.type, pool_out.shape = pool.type, pool.shape
         op.graph_output(pool_out, io.state_output(index))
         return out

@@ -23,6 +23,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import common as ir_passes
 
+from llmc.contract import graph_io as io
 from llmc.contract.model_spec import ModelSpec
 from llmc.ir_builder import OpBuilder
 from llmc.passes.graph import count_nodes, graph_input, rotary_attrs
@@ -63,6 +64,13 @@ class Replacement(OpBuilder):
             value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape))
             self.graph_inputs.append(value)
         return value
+
+    def step_input(self, name: str) -> ir.Value:
+        """The graph input `name` of the step contract (graph_io: past_lens, state_slots, ...),
+        created with the contract's type and shape when the graph has none yet."""
+        dtype, shape = (io.STATE_SLOTS_TYPE, io.STATE_SLOTS_SHAPE) if name == io.STATE_SLOTS else \
+            (io.STEP_INPUTS[name], io.STEP_SHAPES[name])
+        return self.graph_input(name, ir.DataType[dtype.upper()], list(shape))
 
     def graph_output(self, value: ir.Value, name: str) -> ir.Value:
         """`value` becomes a new graph output called `name`."""

@@ -227,7 +227,7 @@ class Engine:
             step = self._steps[key] = _StepBuffers(
                 inputs={name: np.zeros([sizes[d] for d in io.STEP_SHAPES[name]], dtype)
                         for name, dtype in io.STEP_INPUTS.items()} |
-                       ({io.STATE_SLOTS: np.zeros(batch, np.int32)} if self.num_slots else {}),
+                       ({io.STATE_SLOTS: np.zeros(batch, io.STATE_SLOTS_TYPE)} if self.num_slots else {}),
                 logits=np.empty((num_logits, self.manifest.logits_width), np.float32),
                 greedy=np.empty(num_logits, np.int64) if self.io.greedy_tokens else None,
                 last_of_row=np.arange(batch, dtype=np.int64) * seq - 1,
